@@ -1,0 +1,310 @@
+"""linattn-rerun: rerun test files in their home suites, from a `/rerun-test` PR comment or a file list.
+
+    linattn-rerun "/rerun-test suites/gpu-2/test_tp.py suites/cpu/test_ref.py"
+    linattn-rerun suites/cpu/test_ref.py suites/gpu-2/test_tp.py
+    linattn-rerun --dry-run --out reports/rerun -- "$COMMENT_BODY"
+
+The comment is untrusted: every token must name an existing test_*.py inside a collectable suite
+folder, and nothing goes through a shell. Runs `python -m pytest` once per suite with that suite's
+options, writes <out>/<suite>.xml (JUnit) and <out>/summary.md (for the pull request).
+Exit status: 0 all passed, 1 a test failed, 2 bad request or missing resources.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+
+from pytest_linattn.suites import Suite, SuiteConfigError, find_root, load_suites
+
+COMMAND = "/rerun-test"
+MAX_FILES = 20
+OK, FAILED, BAD_REQUEST = 0, 1, 2
+# Only characters that a test path needs: no quotes, $, `, ;, |, &, spaces, globs or node ids.
+_SAFE = re.compile(r"^[A-Za-z0-9_./-]+$")
+_TEST_FILE = re.compile(r"^test_[A-Za-z0-9_]*\.py$")
+GPU_COUNT_ENV = "LINATTN_GPU_COUNT"  # tests (and dry runs elsewhere) pretend a GPU count
+
+
+class BadRequest(Exception):
+    """The request cannot run; the message lines say why, one per offending token or suite."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+# --- parsing and checking the request ---
+
+def request_tokens(items: list[str]) -> list[str]:
+    """The file tokens of a request: after /rerun-test on its first line, or the items themselves."""
+    text = " ".join(items)
+    for line in text.splitlines():
+        words = line.split()
+        if words and words[0] == COMMAND:
+            return words[1:]  # later lines are prose, ignored
+    if re.search(rf"(?<!\S){COMMAND}(?!\S)", text):
+        raise BadRequest([f"{COMMAND} must start its line, followed by test files"])
+    return text.split()
+
+
+def check_token(token: str, root: Path, suites: dict[str, Suite]) -> tuple[str, str]:
+    """(suite, normalised relative path) for a good token; raises ValueError naming the rule broken."""
+    if not _SAFE.match(token):
+        raise ValueError("only letters, digits, '_', '-', '.' and '/' are allowed in a test path")
+    if token.startswith("-"):
+        raise ValueError("options are not accepted, only test files")
+    if token.startswith("/"):
+        raise ValueError("absolute paths are not accepted: give the path from the repository root")
+    path = PurePosixPath(token)
+    if ".." in path.parts:
+        raise ValueError("'..' is not allowed in a test path")
+    parts = path.parts  # PurePosixPath already drops '.' and empty parts
+    if len(parts) < 3 or parts[0] != "suites":
+        raise ValueError("not inside a suite folder: test files live in suites/<suite>/")
+    name = parts[1]
+    if name not in suites:
+        raise ValueError(f"unknown suite {name!r} (suites: {', '.join(suites)})")
+    if not suites[name].collect:
+        raise ValueError(f"suite {name!r} is not a test suite: its scripts are run directly with python")
+    if not _TEST_FILE.match(parts[-1]):
+        raise ValueError("not a test file: the name must be test_*.py")
+    full = root / Path(*parts)
+    if not full.is_file():
+        raise ValueError("no such test file")
+    try:  # a symlink must not lead out of its suite
+        full.resolve().relative_to((root / "suites" / name).resolve())
+    except ValueError:
+        raise ValueError("resolves outside its suite folder") from None
+    return name, path.as_posix()
+
+
+def group_request(tokens: list[str], root: Path, suites: dict[str, Suite]) -> dict[str, list[str]]:
+    """Files by home suite, in suites.toml order; BadRequest lists every offending token."""
+    if not tokens:
+        raise BadRequest([f"no test files given: {COMMAND} suites/<suite>/test_<name>.py ..."])
+    if len(tokens) > MAX_FILES:
+        raise BadRequest([f"{len(tokens)} files requested: at most {MAX_FILES} per request"])
+    errors, groups = [], {}
+    for token in tokens:
+        try:
+            name, rel = check_token(token, root, suites)
+        except ValueError as e:
+            errors.append(f"{_quote(token)}: {e}")
+            continue
+        if rel not in groups.setdefault(name, []):
+            groups[name].append(rel)
+    if errors:
+        raise BadRequest(errors)
+    return {n: groups[n] for n in suites if n in groups}
+
+
+def _quote(token: str) -> str:
+    # Untrusted text goes into Markdown: keep it short and unable to close the code span.
+    t = token if len(token) <= 80 else token[:77] + "..."
+    return "`" + t.replace("`", "'") + "`"
+
+
+# --- resources ---
+
+def gpu_count() -> int:
+    """GPUs this process can use; LINATTN_GPU_COUNT overrides it (tests, dry runs)."""
+    env = os.environ.get(GPU_COUNT_ENV)
+    if env is not None:
+        return int(env)
+    try:  # the plugin's count (CUDA_VISIBLE_DEVICES-aware), so the rerun and gpus(n) agree
+        from pytest_linattn.gpus import gpu_count as visible
+    except ImportError:
+        try:
+            import torch
+        except ImportError:
+            return 0
+        visible = torch.cuda.device_count
+    # Neither creates a CUDA context here; only the pytest children use the GPUs.
+    return int(visible())
+
+
+def check_resources(groups: dict[str, list[str]], suites: dict[str, Suite], gpus: int | None = None) -> list[str]:
+    """One line per suite this machine cannot run (empty when all can)."""
+    needed = [n for n in groups if suites[n].gpus]
+    if not needed:
+        return []
+    have = gpu_count() if gpus is None else gpus
+    return [f"suite {n} needs {suites[n].gpus} GPU{'s' * (suites[n].gpus > 1)}, this machine has {have}: "
+            f"refusing {', '.join(groups[n])}" for n in needed if suites[n].gpus > have]
+
+
+# --- running ---
+
+def pytest_command(suite: Suite, files: list[str], out: Path) -> list[str]:
+    return [sys.executable, "-m", "pytest", *files, *suite.pytest_options(),
+            f"--junitxml={out / (suite.name + '.xml')}", "-o", f"junit_suite_name={suite.name}"]
+
+
+@dataclass
+class SuiteResult:
+    suite: str
+    files: list[str]
+    returncode: int
+    seconds: float
+    passed: int = 0
+    failed: int = 0
+    errors: int = 0
+    skipped: int = 0
+    failures: list[tuple[str, str]] = field(default_factory=list)  # (test, first error line)
+    has_report: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode == 0 and not self.failed and not self.errors
+
+
+def read_junit(xml_path: Path, result: SuiteResult) -> SuiteResult:
+    """Fill counts and failing tests from a pytest JUnit XML file."""
+    try:
+        tree = ET.parse(xml_path)
+    except (OSError, ET.ParseError):
+        return result
+    result.has_report = True
+    for case in tree.iter("testcase"):
+        test = f"{case.get('classname', '')}::{case.get('name', '')}".lstrip(":")
+        bad = case.find("failure")
+        kind = "failed"
+        if bad is None:
+            bad, kind = case.find("error"), "error"
+        if bad is not None:
+            if kind == "failed":
+                result.failed += 1
+            else:
+                result.errors += 1
+            result.failures.append((test, first_error_line(bad)))
+        elif case.find("skipped") is not None:
+            result.skipped += 1
+        else:
+            result.passed += 1
+    return result
+
+
+def first_error_line(element) -> str:
+    """The first line of a failure's message, or else its first `E   ` traceback line."""
+    for line in (element.get("message") or "").splitlines():
+        if line.strip():
+            return line.strip()
+    text = element.text or ""
+    for line in text.splitlines():
+        if line.startswith("E "):
+            return line[1:].strip()
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return ""
+
+
+def run_suite(suite: Suite, files: list[str], root: Path, out: Path) -> SuiteResult:
+    xml = out / f"{suite.name}.xml"
+    xml.unlink(missing_ok=True)  # never report a previous run's results
+    start = time.monotonic()
+    proc = subprocess.run(pytest_command(suite, files, out), cwd=root)  # a list: no shell
+    result = SuiteResult(suite.name, files, proc.returncode, time.monotonic() - start)
+    return read_junit(xml, result)
+
+
+# --- the summary posted on the pull request ---
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("`", "'").replace("\n", " ")
+
+
+def summary_markdown(results: list[SuiteResult]) -> str:
+    passed = sum(r.passed for r in results)
+    failed = sum(r.failed + r.errors for r in results)
+    total_s = sum(r.seconds for r in results)
+    verdict = "passed" if all(r.ok for r in results) else "failed"
+    lines = [f"### {COMMAND} {verdict}: {passed} passed, {failed} failed in {total_s:.1f} s", "",
+             "| suite | files | passed | failed | errors | skipped | time |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in results:
+        files = "<br>".join(f"`{_cell(f)}`" for f in r.files)
+        failed_cell = str(r.failed) if r.has_report else f"no report (pytest exit {r.returncode})"
+        lines.append(f"| {r.suite} | {files} | {r.passed} | {failed_cell} | {r.errors} | {r.skipped} "
+                     f"| {r.seconds:.1f} s |")
+    bad = [(r.suite, t, e) for r in results for t, e in r.failures]
+    if bad:
+        lines += ["", "**Failing tests**", ""]
+        lines += [f"- `{_cell(t)}` ({s}): `{_cell(e)[:200]}`" for s, t, e in bad]
+    return "\n".join(lines) + "\n"
+
+
+def refusal_markdown(lines: list[str]) -> str:
+    return f"### {COMMAND} refused\n\n" + "".join(f"- {line}\n" for line in lines)
+
+
+# --- the command ---
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="linattn-rerun", allow_abbrev=False,
+        description="Rerun test files in their home suites (from a /rerun-test comment or a file list).")
+    p.add_argument("items", nargs="*", help='"/rerun-test FILE..." comment text, or test files')
+    p.add_argument("--dry-run", action="store_true", help="print the pytest commands; skip the GPU check")
+    p.add_argument("--out", default="reports/rerun", help="folder for <suite>.xml and summary.md (default reports/rerun)")
+    p.add_argument("--root", help="repository root (default: nearest folder above with suites/suites.toml)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    try:
+        args, extra = parser.parse_known_intermixed_args(argv)
+    except SystemExit as e:  # --help, or a usage error argparse has already printed
+        return OK if not e.code else BAD_REQUEST
+    root = Path(args.root).resolve() if args.root else find_root()
+    if root is None or not (root / "suites" / "suites.toml").is_file():
+        print("linattn-rerun: no suites/suites.toml here or above; pass --root", file=sys.stderr)
+        return BAD_REQUEST
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    summary = out / "summary.md"
+    try:
+        suites = load_suites(root)
+        # Unknown options land in extra: they are checked like any other token (and refused).
+        groups = group_request(request_tokens(args.items + extra), root, suites)
+        if not args.dry_run:
+            missing = check_resources(groups, suites)
+            if missing:
+                raise BadRequest(missing)
+    except SuiteConfigError as e:
+        print(f"linattn-rerun: {e}", file=sys.stderr)
+        return BAD_REQUEST
+    except BadRequest as e:
+        text = refusal_markdown(e.lines)
+        summary.write_text(text, encoding="utf-8")
+        print(text, end="", file=sys.stderr)
+        return BAD_REQUEST
+
+    results = []
+    for name, files in groups.items():
+        n = len(files)
+        print(f"Running {n} file{'s' * (n != 1)} whose home suite is {name}", flush=True)
+        cmd = pytest_command(suites[name], files, out)
+        if args.dry_run:
+            print(f"  (in {root}) {shlex.join(cmd)}", flush=True)
+            continue
+        results.append(run_suite(suites[name], files, root, out))
+    if args.dry_run:
+        return OK
+    text = summary_markdown(results)
+    summary.write_text(text, encoding="utf-8")
+    print("\n" + text, end="", flush=True)
+    return OK if all(r.ok for r in results) else FAILED
+
+
+if __name__ == "__main__":
+    sys.exit(main())
