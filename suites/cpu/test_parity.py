@@ -1,0 +1,188 @@
+"""assert_parity: pass/fail, NaN/Inf, dicts, failure messages, records, summary and report files."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from pytest_linattn import parity
+from pytest_linattn.parity import RECORDS, assert_parity, capture_records, format_summary, set_current_test, write_report
+
+
+@pytest.fixture(autouse=True)
+def recs():
+    """These tests' records (many meant to fail) stay out of the run's parity summary."""
+    before = len(RECORDS)
+    with capture_records() as captured:
+        yield captured
+    assert len(RECORDS) == before
+
+
+def _x(*shape, seed=0):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def test_passes_within_tolerance_and_records_margin(recs):
+    e = _x(2, 8, 3, 4)
+    a = e + 1e-9 * _x(2, 8, 3, 4, seed=1)
+    set_current_test("t::case")
+    (rec,) = assert_parity(a, e, rtol=1e-6)
+    err = float(torch.linalg.vector_norm(a - e) / torch.linalg.vector_norm(e))
+    assert rec["passed"] and rec["error"] == pytest.approx(err)
+    assert rec["margin"] == pytest.approx(1e-6 / err)
+    assert rec["test"] == "t::case" and rec["tensor"] == "output" and rec["shape"] == [2, 8, 3, 4]
+    assert recs == [rec]
+
+
+def test_bf16_actual_against_float64_expected():
+    e = _x(4, 16)
+    assert_parity(e.to(torch.bfloat16), e, rtol=1e-2)
+    with pytest.raises(AssertionError):
+        assert_parity(e.to(torch.bfloat16), e, rtol=1e-5)
+
+
+def test_fails_beyond_tolerance_and_names_everything(recs):
+    e = _x(2, 8, 3, 4)
+    a = e.clone()
+    a[1, 5, 2, 3] += 0.5
+    with pytest.raises(AssertionError) as info:
+        assert_parity(a, e, rtol=1e-5, name="o")
+    msg = str(info.value)
+    err = 0.5 / float(torch.linalg.vector_norm(e))
+    assert "o" in msg and f"{err:.2e}" in msg and "1.00e-05" in msg and "5.00e-01" in msg
+    assert "batch 1 token 5, head 2" in msg and "(1, 5, 2, 3)" in msg
+    assert not recs[-1]["passed"] and recs[-1]["worst"]["index"] == [1, 5, 2, 3]
+
+
+def test_location_by_sequence_token_and_head(recs):
+    cu = torch.tensor([0, 1, 7, 7, 20], dtype=torch.int32)  # an empty sequence is skipped
+    e = _x(1, 20, 4, 8)
+    a = e.clone()
+    a[0, 9, 3, 1] -= 2.0
+    with pytest.raises(AssertionError, match=r"seq 3 token 2 \(global 9\), head 3"):
+        assert_parity(a, e, rtol=1e-3, cu_seqlens=cu)
+    loc = recs[-1]["worst"]
+    assert (loc["sequence"], loc["token_in_sequence"], loc["token"], loc["head"]) == (3, 2, 9, 3)
+
+
+def test_plain_tensor_located_by_index():
+    e = _x(5, 6)
+    a = e.clone()
+    a[3, 4] += 1.0
+    with pytest.raises(AssertionError, match=r"index \(3, 4\)"):
+        assert_parity(a, e, rtol=1e-3, cu_seqlens=torch.tensor([0, 6]))  # shape does not fit cu
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_nonfinite_fails_even_with_huge_tolerance(bad, recs):
+    e = _x(1, 6, 2, 2)
+    a = e.clone()
+    a[0, 4, 1, 0] = bad
+    with pytest.raises(AssertionError, match=r"non-finite.*token 4, head 1"):
+        assert_parity(a, e, rtol=1e30)
+    assert recs[-1]["margin"] == 0.0
+
+
+def test_nonfinite_expected_fails_too():
+    e = _x(3, 3)
+    a = e.clone()
+    e[0, 0] = math.nan
+    with pytest.raises(AssertionError, match="first in expected"):
+        assert_parity(a, e, rtol=1e30)
+
+
+def test_dict_reports_only_failing_rows(recs):
+    e = {"dq": _x(1, 8, 2, 4), "dk": _x(1, 8, 2, 4, seed=1), "dv": _x(1, 8, 2, 4, seed=2)}
+    a = {k: v.clone() for k, v in e.items()}
+    a["dk"][0, 3, 1, 2] += 1.0
+    with pytest.raises(AssertionError) as info:
+        assert_parity(a, e, rtol=1e-8, name="grads")
+    lines = str(info.value).splitlines()
+    assert "1 of 3" in lines[0] and "grads" in lines[0]
+    assert [ln.split()[0] for ln in lines[2:]] == ["dk"]
+    assert [r["tensor"] for r in recs] == ["dq", "dk", "dv"]
+    assert [r["passed"] for r in recs] == [True, False, True]
+
+
+def test_dict_key_mismatch_names_keys():
+    e = {"dq": _x(2, 2), "dk": _x(2, 2)}
+    a = {"dq": e["dq"].clone(), "dz": _x(2, 2)}
+    with pytest.raises(AssertionError) as info:
+        assert_parity(a, e, rtol=1e-5)
+    msg = str(info.value)
+    assert "dk" in msg and "missing from actual" in msg and "dz" in msg and "not in expected" in msg
+
+
+def test_shape_mismatch_fails():
+    with pytest.raises(AssertionError, match=r"shape mismatch: actual \(2, 3\) vs expected \(3, 2\)"):
+        assert_parity(_x(2, 3), _x(3, 2), rtol=1.0)
+
+
+def test_zero_expected_uses_absolute_error():
+    e = torch.zeros(4, 4, dtype=torch.float64)
+    assert_parity(e + 1e-12, e, rtol=1e-10)
+    with pytest.raises(AssertionError, match="expected is all zeros: absolute error"):
+        assert_parity(e + 1e-3, e, rtol=1e-10)
+
+
+def test_bad_arguments_raise_value_error():
+    with pytest.raises(ValueError, match="^rtol"):
+        assert_parity(_x(2), _x(2), rtol=0)
+    with pytest.raises(ValueError, match="^rtol"):
+        assert_parity(_x(2), _x(2), rtol=math.nan)
+    with pytest.raises(ValueError, match="^actual and expected"):
+        assert_parity(_x(2), {"a": _x(2)}, rtol=1e-3)
+    with pytest.raises(ValueError, match="^cu_seqlens"):
+        assert_parity(_x(1, 4), _x(1, 4), rtol=1e-3, cu_seqlens=torch.tensor([0.0, 4.0]))
+
+
+def test_summary_sorts_worst_margin_first_and_compacts(recs):
+    e = _x(8)
+    for i, scale in enumerate([1e-9, 1e-4, 1e-7]):
+        set_current_test(f"t::case{i}")
+        assert_parity(e + scale * _x(8, seed=1), e, rtol=1e-3)
+    set_current_test("t::bad")
+    with pytest.raises(AssertionError):
+        assert_parity(e + 1.0, e, rtol=1e-3, name="y")
+    text = format_summary(recs)
+    rows = [ln.split()[0] for ln in text.splitlines()[2:]]
+    assert rows == ["t::bad", "t::case1", "t::case2", "t::case0"]
+    assert "1 failed" in text.splitlines()[0] and "FAIL" in text
+    short = format_summary(recs, max_rows=2)
+    assert len(short.splitlines()) == 2 + 2 + 1 and "2 more passing" in short
+    assert format_summary([]) == ""
+
+
+def test_write_report_json_and_heatmap(tmp_path, recs):
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    e = _x(1, 12, 3, 4)
+    a = e.clone()
+    a[0, 6, 1] += 1.0
+    a[0, 2, 0, 0] = math.nan
+    set_current_test("suites/cpu/test_x.py::test_cp[tp=2/cp=4]")
+    assert_parity(e, e, rtol=1e-5, name="fine")
+    with pytest.raises(AssertionError):
+        assert_parity({"o": a}, {"o": e}, rtol=1e-5, cu_seqlens=cu)
+    paths = write_report(recs, tmp_path / "rep")
+    names = sorted(p.name for p in paths)
+    assert names == ["parity.json", "suites_cpu_test_x.py_test_cp_tp_2_cp_4__o.png"]
+    data = json.loads((tmp_path / "rep" / "parity.json").read_text())
+    assert [r["passed"] for r in data] == [True, False]
+    bad = data[1]
+    assert bad["error"] == "nan" and bad["cu_seqlens"] == [0, 5, 12]
+    assert len(bad["map"]) == 3 and len(bad["map"][0]) == 12  # head × token
+    png = (tmp_path / "rep" / names[1]).read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_error_map_is_binned_for_long_tensors(recs):
+    e = _x(1, 5000, 2, 2)
+    a = e + 1.0
+    with pytest.raises(AssertionError):
+        assert_parity(a, e, rtol=1e-5)
+    rec = recs[-1]
+    assert len(rec["map"][0]) <= parity.MAP_MAX_TOKENS and rec["map_x_bin"] == 10
+    # Cells add up in quadrature to the tensor's error.
+    total = math.sqrt(sum(v * v for row in rec["map"] for v in row))
+    assert total == pytest.approx(rec["error"])
