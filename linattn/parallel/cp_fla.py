@@ -1,0 +1,60 @@
+"""CUDA path of the CP ops: fla 0.6.0's own context parallelism, imported lazily.
+
+fla facts this relies on (fla 0.6.0, ``fla/ops/cp``):
+
+- ``fla.ops.cp.build_cp_context(cu_seqlens, group, conv1d_kernel_size=None, cu_seqlens_cpu=None,
+  layout="contiguous")`` takes the GLOBAL cu_seqlens and returns an ``FLACPContext`` with the
+  rank's local cu_seqlens and chain metadata. Its ``"zigzag"`` cuts the whole packed batch into
+  ``2*cp`` intervals, not each sequence, so callers here always pass the contiguous layout
+  (``CPContext.to_contiguous`` has already moved the tokens).
+- ``chunk_gated_delta_rule`` / ``chunk_kda`` accept ``cp_context=``: they then take cu_seqlens
+  from the context, refuse ``initial_state``/``output_final_state``, and compose the incoming
+  state from an all-gather of every rank's affine state map (TF32x3 on Ampere+).
+- ``fla.modules.causal_conv1d.causal_conv1d(..., cp_context=)`` takes the previous rank's last
+  ``W-1`` tokens (all-gather) as the first sequence's initial state and returns their gradient in
+  backward; it handles only one previous rank, so the caller uses it only when every piece holds
+  at least ``W-1`` tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def fla_context(ctx, conv1d_kernel_size: int | None = None, device=None):
+    """The fla CP context of ``ctx``'s contiguous piece (cached on ``ctx``)."""
+    key = ("fla", conv1d_kernel_size, str(device))
+    if key not in ctx._cache:
+        from fla.ops.cp import build_cp_context
+
+        cu_global = ctx.cu_seqlens.to(device=device, dtype=torch.int32)
+        ctx._cache[key] = build_cp_context(
+            cu_global, group=ctx.group, conv1d_kernel_size=conv1d_kernel_size,
+            cu_seqlens_cpu=ctx.cu_seqlens, layout="contiguous",
+        )
+    return ctx._cache[key]
+
+
+def short_conv(x, weight, bias, activation, ctx):
+    """fla's CP causal conv on the contiguous piece ``x`` ``[1, T_local, D]``; weight ``[D, W]``."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    W = weight.shape[-1]
+    fctx = fla_context(ctx, conv1d_kernel_size=W, device=x.device)
+    y, _ = causal_conv1d(
+        x, weight=weight.reshape(weight.shape[0], W).to(x.dtype), bias=None if bias is None else bias.to(x.dtype),
+        activation=activation,
+        backend="triton", cp_context=fctx,
+    )
+    return y
+
+
+def delta_rule(op: str, q, k, v, g, beta, scale, use_qk_l2norm, ctx):
+    """fla's chunk kernel with its CP context on the contiguous piece."""
+    fctx = fla_context(ctx, device=q.device)
+    if op == "gated_delta_rule":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+    else:
+        from fla.ops.kda import chunk_kda as fn
+    o, _ = fn(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, cp_context=fctx)
+    return o

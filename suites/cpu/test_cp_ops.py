@@ -1,0 +1,208 @@
+"""CP ops (linattn.parallel.cp) against the single-process float64 reference on the full batch.
+
+Every case shards one packed batch over the CP ranks, runs the CP op and its backward on every
+rank, puts outputs and input gradients back together (cp_unshard; weight gradients summed over
+ranks) and compares with the reference run on the whole batch: <= 1e-10 relative in float64.
+Several cases share one spawn call to keep the suite quick.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn import reference
+from linattn.parallel import cp
+from pytest_linattn.parity import assert_parity
+from pytest_linattn.seqlens import packed_seqlens
+
+RTOL = 1e-10
+W = 4  # conv width: a halo of 3 tokens, longer than some pieces below
+D = 3
+H, HV, K, V = 1, 2, 3, 2  # GVA: two value heads per key head
+
+# (name, sequence lengths) per cp size. Contiguous cases cover a length-1 sequence, a boundary
+# exactly on a shard edge, boundaries inside shards, a sequence over >= 3 ranks, and pieces
+# shorter than W-1 (the conv halo then comes from several ranks).
+CONTIGUOUS = {
+    2: [
+        ("edge+len1", [1, 11, 5, 7]),  # T=24, shard edge at 12
+        ("inside", [7, 10, 1, 6]),
+        ("tiny-pieces", [4]),  # 2 tokens per rank < W-1
+    ],
+    4: [
+        ("span3+edge+len1", [1, 3, 20, 4, 4]),  # T=32: 4..24 spans ranks 0-2, edge at 24
+        ("span4", [5, 26, 1]),
+        ("tiny-pieces", [1, 7]),  # 2 tokens per rank: halo from 2 ranks
+    ],
+}
+# zigzag: every length divisible by 2*cp
+ZIGZAG = {
+    2: [("zz", [4, 12, 8]), ("zz-chunk1", [4, 4])],
+    4: [("zz", [8, 16, 8]), ("zz-chunk1", [8, 8])],
+}
+
+
+def _cu(lengths):
+    return torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+
+
+def _cases(cp_size):
+    gen = torch.Generator().manual_seed(1234 + cp_size)
+    cases = []
+    for layout, table in (("contiguous", CONTIGUOUS), ("zigzag", ZIGZAG)):
+        # plus one seeded random packing per layout from the plugin's generator
+        random_cu = packed_seqlens(8 * cp_size, cp_size=cp_size, layout=layout, seed=cp_size)
+        named = [(name, _cu(lengths)) for name, lengths in table[cp_size]] + [("random", random_cu)]
+        for i, (name, cu) in enumerate(named):
+            T = int(cu[-1])
+
+            def randn(*shape):
+                return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+            case = dict(name=f"{layout}/{name}", layout=layout, cu=cu, l2norm=bool(i % 2 == 0))
+            case["conv"] = dict(x=randn(1, T, D), weight=randn(D, W), bias=randn(D), dy=randn(1, T, D))
+            for op, g_shape in (("gated_delta_rule", (1, T, HV)), ("kda", (1, T, HV, K))):
+                case[op] = dict(
+                    q=randn(1, T, H, K), k=randn(1, T, H, K), v=randn(1, T, HV, V),
+                    g=F.logsigmoid(randn(*g_shape)), beta=torch.sigmoid(randn(1, T, HV)),
+                    do=randn(1, T, HV, V),
+                )
+            cases.append(case)
+    return cases
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _run_cp_cases(cases):
+    """On every rank: each case's CP conv and CP delta rules on this rank's shard, with grads."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    results = []
+    for case in cases:
+        cu, layout = case["cu"], case["layout"]
+        ctx = cp.build_context(cu, int(cu[-1]), None, layout)
+        out = {}
+
+        c = case["conv"]
+        x = _leaf(cp.cp_shard(c["x"], cu, rank, size, layout))
+        weight, bias = _leaf(c["weight"]), _leaf(c["bias"])
+        y = cp.short_conv(x, weight, bias, "silu", ctx)
+        (y * cp.cp_shard(c["dy"], cu, rank, size, layout)).sum().backward()
+        out["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
+
+        for op in ("gated_delta_rule", "kda"):
+            t = case[op]
+            ins = {n: _leaf(cp.cp_shard(t[n], cu, rank, size, layout)) for n in ("q", "k", "v", "g", "beta")}
+            o = cp.delta_rule(op, *ins.values(), None, case["l2norm"], ctx)
+            (o * cp.cp_shard(t["do"], cu, rank, size, layout)).sum().backward()
+            out[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
+        results.append(out)
+    return results
+
+
+def _reference_case(case):
+    cu = case["cu"]
+    ref = {}
+    c = case["conv"]
+    x, weight, bias = _leaf(c["x"]), _leaf(c["weight"]), _leaf(c["bias"])
+    y = reference.short_conv(x, weight, cu, bias, "silu")
+    (y * c["dy"]).sum().backward()
+    ref["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
+    for op in ("gated_delta_rule", "kda"):
+        t = case[op]
+        ins = {n: _leaf(t[n]) for n in ("q", "k", "v", "g", "beta")}
+        o, _ = getattr(reference, op)(*ins.values(), cu_seqlens=cu, use_qk_l2norm=case["l2norm"])
+        (o * t["do"]).sum().backward()
+        ref[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
+    return ref
+
+
+def test_cp_ops_match_reference(spawn, cp_size):
+    cases = _cases(cp_size)
+    per_rank = spawn(_run_cp_cases, cp_size, cases)
+    for i, case in enumerate(cases):
+        cu, layout = case["cu"], case["layout"]
+        ref = _reference_case(case)
+        for op in ("conv", "gated_delta_rule", "kda"):
+            got = {}
+            for key in ref[op]:
+                pieces = [per_rank[r][i][op][key] for r in range(cp_size)]
+                if key in ("dweight", "dbias"):  # parameter grads are per-rank partial sums
+                    got[key] = torch.stack(pieces).sum(0)
+                else:
+                    got[key] = cp.cp_unshard(pieces, cu, cp_size, layout)
+            assert_parity(got, ref[op], rtol=RTOL, name=f"cp{cp_size}/{case['name']}/{op}", cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("layout", cp.LAYOUTS)
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_shard_unshard_round_trip(cp_size, layout):
+    table = CONTIGUOUS if layout == "contiguous" else ZIGZAG
+    for _, lengths in table[cp_size]:
+        cu = _cu(lengths)
+        full = torch.randn(1, int(cu[-1]), 2, dtype=torch.float64)
+        shards = [cp.cp_shard(full, cu, r, cp_size, layout) for r in range(cp_size)]
+        assert all(s.shape[1] == full.shape[1] // cp_size for s in shards)
+        assert torch.equal(cp.cp_unshard(shards, cu, cp_size, layout), full)
+
+
+def test_zigzag_is_per_sequence():
+    # two sequences of 8 tokens, cp=2: chunks of 2; rank 0 holds chunks 0 and 3 of each
+    cu = _cu([8, 8])
+    tokens = torch.arange(16).view(1, 16)
+    assert cp.cp_shard(tokens, cu, 0, 2, "zigzag").tolist() == [[0, 1, 6, 7, 8, 9, 14, 15]]
+    assert cp.cp_shard(tokens, cu, 1, 2, "zigzag").tolist() == [[2, 3, 4, 5, 10, 11, 12, 13]]
+
+
+def test_context_metadata():
+    cu = _cu([1, 3, 20, 4, 4])  # T=32, cp=4, 8 tokens per rank
+    ctxs = [cp.build_context(cu, 32, None, "contiguous", cp_rank=r, cp_size=4) for r in range(4)]
+    assert ctxs[0].prev_tokens == (0, 4, 12, 0)
+    assert [c.local_cu_seqlens.tolist() for c in ctxs] == [[0, 1, 4, 8], [0, 8], [0, 8], [0, 4, 8]]
+    assert [c.first_seq_continues for c in ctxs] == [False, True, True, False]
+    assert [c.last_seq_continues for c in ctxs] == [True, True, False, False]
+
+
+@pytest.mark.parametrize(
+    "lengths, cp_size, layout, match",
+    [
+        ([5, 4], 2, "contiguous", "divisible by cp_size"),
+        ([6, 6], 2, "zigzag", "divisible by 2\\*cp_size"),
+        ([2, 6], 2, "zigzag", "every sequence length divisible by 2\\*cp_size"),
+        ([4, 4], 2, "diagonal", "layout must be one of"),
+    ],
+)
+def test_bad_partition_raises(lengths, cp_size, layout, match):
+    cu = _cu(lengths)
+    with pytest.raises(ValueError, match=match):
+        cp.build_context(cu, int(cu[-1]), None, layout, cp_rank=0, cp_size=cp_size)
+    with pytest.raises(ValueError, match=match):
+        cp.cp_shard(torch.zeros(1, int(cu[-1])), cu, 0, cp_size, layout)
+
+
+@pytest.mark.parametrize(
+    "cu, total, match",
+    [
+        ([1, 4, 8], 8, "must start at 0"),
+        ([0, 6, 4, 8], 8, "non-decreasing"),
+        ([0, 4, 8], 12, "must end at"),
+        ([[0, 8]], 8, "1-D"),
+    ],
+)
+def test_inconsistent_cu_seqlens_raises(cu, total, match):
+    with pytest.raises(ValueError, match=match):
+        cp.build_context(torch.tensor(cu), total, None, "contiguous", cp_rank=0, cp_size=2)
+
+
+def test_bad_inputs_raise():
+    ctx = cp.build_context(_cu([8]), 8, None, "contiguous", cp_rank=0, cp_size=2)
+    q = torch.zeros(1, 4, H, K)
+    with pytest.raises(ValueError, match="op must be one of"):
+        cp.delta_rule("mamba", q, q, q, q[..., 0], q[..., 0], None, False, ctx)
+    with pytest.raises(ValueError, match="T_local=4"):
+        ctx.to_contiguous(torch.zeros(1, 5, 2))
+    with pytest.raises(ValueError, match="one shard per rank"):
+        cp.cp_unshard([q], _cu([8]), 2)
