@@ -311,7 +311,13 @@ def _shorten(text: str, width: int) -> str:
     return text if len(text) <= width else "…" + text[-(width - 1):]
 
 
-def format_summary(records, max_rows: int = 30) -> str:
+def _label(rec) -> str:
+    # A dict's rows are named by key; the comparison's name tells apart, say, rank 0 from rank 1.
+    group = rec.get("group")
+    return rec["tensor"] if not group or group in ("output", rec["tensor"]) else f"{group}: {rec['tensor']}"
+
+
+def format_summary(records, max_rows: int = 12) -> str:
     """A plain table of the checks, worst margin (rtol / error) first; failures always listed
     first, passing checks cut to `max_rows` rows in all. Empty string when there are none."""
     records = list(records)
@@ -320,7 +326,7 @@ def format_summary(records, max_rows: int = 30) -> str:
     order = sorted(records, key=lambda r: (r["passed"], r["margin"] if not math.isnan(r["margin"]) else 0.0))
     n_fail = sum(not r["passed"] for r in records)
     shown = order[:max(max_rows, n_fail)]
-    rows = [[_shorten(str(r["test"]), 60), r["tensor"], _num(r["error"]), _num(r["rtol"]),
+    rows = [[_shorten(str(r["test"]), 60), _label(r), _num(r["error"]), _num(r["rtol"]),
              _num(r["margin"], "{:.3g}"), "ok" if r["passed"] else "FAIL"] for r in shown]
     lines = [f"linattn parity: {len(records)} check(s), {n_fail} failed; worst margin (rtol/error) first"]
     lines += _table(["test", "tensor", "error", "rtol", "margin", ""], rows)
