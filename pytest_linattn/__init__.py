@@ -1,0 +1,21 @@
+"""pytest-linattn: the pytest plugin for distributed linear-attention parity tests.
+
+Importing this package is cheap and imports neither pytest nor torch: ``pytest_linattn.pool``,
+``.gpus``, ``.parity`` and friends work in plain Python. ``pytest -p pytest_linattn`` and
+``pytest_plugins = ["pytest_linattn"]`` load the plugin through ``pytest_plugins`` below; the
+installed entry point has the same name, so pytest never registers it twice.
+"""
+from __future__ import annotations
+
+pytest_plugins = ["pytest_linattn.plugin"]
+
+__all__ = ["assert_parity"]
+
+
+def __getattr__(name):
+    # Lazy: parity imports torch, which a plain `import pytest_linattn` should not pay for.
+    if name == "assert_parity":
+        from .parity import assert_parity
+
+        return assert_parity
+    raise AttributeError(f"module 'pytest_linattn' has no attribute {name!r}")

@@ -1,0 +1,275 @@
+"""The spawn fixture and its rank pools, exercised in fresh pytest runs (pytester subprocesses).
+
+Each inner run packs several scenarios into one session, because a pool start costs seconds on
+a small CPU: the same session checks that a failure is contained and the next test passes.
+The 10x xdist stress run is behind ``LINATTN_STRESS=10`` (the default suite runs it once).
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+
+pytest_plugins = ["pytester"]
+
+HERE_PYTHON = sys.executable
+
+RANK_TESTS = r'''
+import os, signal, time
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def rank_info(scale):
+    t = torch.full((2,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "pid": os.getpid(),
+            "sum": t * scale, "pair": (torch.arange(3) + dist.get_rank(), [dist.get_rank()])}
+
+
+def raise_on_one():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is unhappy")
+    dist.barrier()
+
+
+def die_on_zero():
+    if dist.get_rank() == 0:
+        os._exit(7)
+    dist.barrier()
+
+
+def kill_self_on_one():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def _record(out):
+    with open(os.environ["PIDS_FILE"], "a") as f:
+        f.write(" ".join(str(o["pid"]) for o in out) + "\n")
+
+
+def test_tensors_in_rank_order(spawn):
+    out = spawn(rank_info, 3, scale=2.0)
+    _record(out)
+    assert [o["rank"] for o in out] == [0, 1, 2]
+    assert all(o["world"] == 3 for o in out)
+    for r, o in enumerate(out):
+        assert o["sum"].device.type == "cpu"
+        assert torch.equal(o["sum"], torch.full((2,), 12.0))
+        assert torch.equal(o["pair"][0], torch.arange(3) + r)
+        assert o["pair"][1] == [r]
+
+
+def test_pool_is_reused(spawn):
+    a = spawn(rank_info, 3, 1.0)
+    b = spawn(rank_info, 3, 1.0)
+    _record(a)
+    assert [o["pid"] for o in a] == [o["pid"] for o in b]
+
+
+def test_world_size_one(spawn):
+    out = spawn(rank_info, 1, 1.0)
+    _record(out)
+    assert len(out) == 1 and out[0]["world"] == 1 and out[0]["sum"].tolist() == [1.0, 1.0]
+
+
+def test_raising_rank(spawn):
+    spawn(raise_on_one, 2)
+
+
+def test_after_raise(spawn):
+    _record(spawn(rank_info, 2, 1.0))
+
+
+def test_dying_rank(spawn):
+    spawn(die_on_zero, 2)
+
+
+def test_signalled_rank(spawn):
+    spawn(kill_self_on_one, 2)
+
+
+def test_after_death(spawn):
+    _record(spawn(rank_info, 2, 1.0))
+
+
+def test_nested_function_is_refused(spawn):
+    def local():
+        return 1
+    with pytest.raises(ValueError, match="picklable by reference"):
+        spawn(local, 2)
+    _record(spawn(rank_info, 2, 1.0))  # the pool survived the refusal
+
+
+def test_bad_world_size(spawn):
+    with pytest.raises(ValueError, match="world_size"):
+        spawn(rank_info, 0, 1.0)
+'''
+
+HANG_TESTS = r'''
+import os, time
+import torch.distributed as dist
+
+
+def hang_on_zero():
+    if dist.get_rank() == 0:
+        time.sleep(600)
+    dist.barrier()
+
+
+def pid():
+    return os.getpid()
+
+
+def test_hang(spawn):
+    spawn(hang_on_zero, 2)
+
+
+def test_next_passes(spawn):
+    pids = spawn(pid, 2)
+    with open(os.environ["PIDS_FILE"], "a") as f:
+        f.write(" ".join(map(str, pids)) + "\n")
+'''
+
+
+def _alive(pid: int) -> bool:
+    # A zombie is dead for our purpose (its parent has not reaped it yet).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _pids(path) -> list[int]:
+    return [int(p) for line in path.read_text().split("\n") for p in line.split()]
+
+
+def _durations(junit) -> dict[str, float]:
+    root = ET.parse(junit).getroot()
+    return {case.get("name"): float(case.get("time")) for case in root.iter("testcase")}
+
+
+def _outcomes(junit) -> dict[str, str]:
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        kids = [c.tag for c in case]
+        out[case.get("name")] = ("failed" if "failure" in kids or "error" in kids
+                                 else "skipped" if "skipped" in kids else "passed")
+    return out
+
+
+def test_spawn_results_and_contained_failures(pytester, monkeypatch):
+    pytester.makepyfile(test_ranks=RANK_TESTS)
+    pids_file = pytester.path / "pids.txt"
+    monkeypatch.setenv("PIDS_FILE", str(pids_file))
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
+                                           "--linattn-timeout", "60", f"--junitxml={junit}")
+    outcomes = _outcomes(junit)
+    assert outcomes == {
+        "test_tensors_in_rank_order": "passed", "test_pool_is_reused": "passed",
+        "test_world_size_one": "passed", "test_raising_rank": "failed",
+        "test_after_raise": "passed", "test_dying_rank": "failed",
+        "test_signalled_rank": "failed", "test_after_death": "passed",
+        "test_nested_function_is_refused": "passed", "test_bad_world_size": "passed",
+    }, result.stdout.str()
+    text = result.stdout.str()
+    # The raising rank: its number and its own traceback, and the stuck rank's stack.
+    assert "raise_on_one(...) on 2 ranks: rank 1 failed." in text
+    assert "ValueError: rank one is unhappy" in text
+    assert 'test_ranks.py", line' in text
+    assert "rank 0 had not returned" in text
+    # The dying ranks: rank and exit code / signal name.
+    assert "rank 0 died with exit code 7" in text
+    assert "rank 1 died with signal SIGKILL" in text
+    # Failures stay quick: a raise waits only the short grace for the other ranks.
+    assert _durations(junit)["test_raising_rank"] < 15
+    # No rank outlives the run.
+    pids = _pids(pids_file)
+    assert pids and not [p for p in pids if _alive(p)]
+
+
+def test_hang_times_out_with_every_stack(pytester, monkeypatch):
+    pytester.makepyfile(test_hang=HANG_TESTS)
+    pids_file = pytester.path / "pids.txt"
+    monkeypatch.setenv("PIDS_FILE", str(pids_file))
+    junit = pytester.path / "junit.xml"
+    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
+                                           "--linattn-timeout", "5", f"--junitxml={junit}")
+    result.assert_outcomes(passed=1, failed=1)
+    text = result.stdout.str()
+    assert "hang_on_zero(...) on 2 ranks: timed out after 5 s" in text
+    # Both ranks' Python stacks: rank 0 in its sleep, rank 1 in the barrier.
+    assert "rank 0 stack (still running" in text and "rank 1 stack (still running" in text
+    assert 'test_hang.py", line 8 in hang_on_zero' in text
+    assert "in barrier" in text
+    assert _durations(junit)["test_hang"] < 20
+    assert not [p for p in _pids(pids_file) if _alive(p)]
+
+
+def test_importlib_mode_and_rootdir_layout(pytester):
+    # A test module inside a package-less subfolder, imported with --import-mode=importlib: the
+    # ranks cannot import it by name from sys.path and must load it from its file.
+    pytester.makepyfile(**{"tests/sub/test_deep.py": r'''
+import torch.distributed as dist
+from dataclasses import dataclass
+
+
+@dataclass
+class Box:
+    value: int
+
+
+def add(box):
+    return Box(box.value + dist.get_rank())
+
+
+def test_deep(spawn):
+    assert [b.value for b in spawn(add, 2, Box(10))] == [10, 11]
+'''})
+    for mode in ("importlib", "prepend"):
+        result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
+                                               f"--import-mode={mode}", "tests")
+        result.assert_outcomes(passed=1)
+
+
+def _stress_rounds() -> int:
+    return int(os.environ.get("LINATTN_STRESS", "1"))
+
+
+def test_xdist_pools_never_collide(pytester):
+    """20 distributed tests under ``-n 2``; ``LINATTN_STRESS=10`` repeats the run 10 times."""
+    pytest.importorskip("xdist")
+    pytester.makepyfile(test_many=r'''
+import pytest
+import torch
+import torch.distributed as dist
+
+
+def reduce_rank():
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    return t.item()
+
+
+@pytest.mark.parametrize("i", range(20))
+def test_many(spawn, i):
+    ws = 2 if i % 2 else 3
+    assert spawn(reduce_rank, ws) == [ws * (ws - 1) / 2] * ws
+''')
+    for round_ in range(_stress_rounds()):
+        start = time.monotonic()
+        result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
+                                               "-n", "2", "-p", "no:randomly")
+        text = result.stdout.str()
+        assert result.ret == 0, f"round {round_}:\n{text}"
+        result.assert_outcomes(passed=20)
+        assert "rendezvous" not in text.lower() and "address already in use" not in text.lower()
+        print(f"round {round_}: 20 passed in {time.monotonic() - start:.1f} s")
