@@ -1,0 +1,161 @@
+"""Gated delta rule and Kimi delta attention: one entry each, variants as parameters.
+
+On CPU tensors both run linattn.reference in the input's dtype (chunked form). On CUDA tensors
+they run fla 0.6.0: `chunk_gated_delta_rule`, or for the "kda" route `chunk_kda` with the
+per-head gate broadcast over the key channels (GDN is KDA with a gate constant across K), and
+`chunk_kda` for KDA. Shapes follow fla: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a
+multiple of H; g `[B, T, HV]` (GDN) or `[B, T, HV, K]` (KDA); beta `[B, T, HV]`;
+initial_state `[N, HV, K, V]`. Returns (o `[B, T, HV, V]` in q's dtype, final state or None).
+"""
+
+import torch
+
+from linattn import selection
+from linattn.reference.checks import require
+
+ROUTES = selection.GDN_ROUTES
+
+
+def gated_delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    route: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """route None: `selection.gdn_route()` for CUDA tensors, "gated_delta_rule" otherwise."""
+    require(route is None or route in ROUTES, "route", f"must be None or one of {ROUTES}, got {route!r}")
+    validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=False)
+    if route is None:
+        route = selection.gdn_route() if q.is_cuda else "gated_delta_rule"
+    args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
+    if route == "kda":
+        q, k, g = gdn_as_kda_inputs(q, k, v, g)
+        return kda(q, k, v, g, beta, *args)
+    if q.is_cuda:
+        return _gated_delta_rule_fla(q, k, v, g, beta, *args)
+    return _run_reference("gated_delta_rule", q, k, v, g, beta, *args)
+
+
+def kda(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float | None = None,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    use_qk_l2norm: bool = False,
+    route: str | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """g is a per-channel log decay (no in-kernel gate activation). route: None or "kda" only."""
+    require(route in (None, "kda"), "route", f"must be None or 'kda' for KDA, got {route!r}")
+    validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=True)
+    args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
+    if q.is_cuda:
+        return _kda_fla(q, k, v, g, beta, *args)
+    return _run_reference("kda", q, k, v, g, beta, *args)
+
+
+def gdn_as_kda_inputs(q, k, v, g):
+    """q, k repeated to HV heads and g broadcast to `[B, T, HV, K]`; autograd sums the gradients back.
+
+    fla maps value head i to key head i // (HV // H) (e.g. fla/ops/kda/chunk_intra.py), so the
+    repeat is repeat_interleave, as fla/ops/kda/naive.py does.
+    """
+    group = v.shape[2] // q.shape[2]
+    if group > 1:
+        q = q.repeat_interleave(group, dim=2)
+        k = k.repeat_interleave(group, dim=2)
+    g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1]).contiguous()
+    return q, k, g
+
+
+def validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate):
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        require(isinstance(t, torch.Tensor) and t.is_floating_point(), name, "must be a floating-point tensor")
+        require(t.device == q.device, name, f"must be on q's device {q.device}, got {t.device}")
+    require(q.dim() == 4, "q", f"must be [B, T, H, K], got shape {tuple(q.shape)}")
+    require(k.shape == q.shape, "k", f"must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+    B, T, H, K = q.shape
+    require(v.dim() == 4 and v.shape[:2] == (B, T), "v", f"must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
+    HV, V = v.shape[2], v.shape[3]
+    require(HV % H == 0, "v", f"must have a head count HV that is a multiple of H={H}, got HV={HV}")
+    gate_shape = (B, T, HV, K) if per_channel_gate else (B, T, HV)
+    require(tuple(g.shape) == gate_shape, "g", f"must have shape {gate_shape}, got {tuple(g.shape)}")
+    require(tuple(beta.shape) == (B, T, HV), "beta", f"must have shape {(B, T, HV)}, got {tuple(beta.shape)}")
+    if cu_seqlens is not None:
+        require(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2, "cu_seqlens",
+                f"must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        require(B == 1, "q", f"must have batch size 1 when cu_seqlens is given, got {B}")
+    if initial_state is not None:
+        N = B if cu_seqlens is None else cu_seqlens.numel() - 1
+        require(tuple(initial_state.shape) == (N, HV, K, V), "initial_state",
+                f"must have shape {(N, HV, K, V)} (one state per sequence), got {tuple(initial_state.shape)}")
+
+
+def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    from linattn import reference
+
+    # the reference computes in float32 or float64; half-precision inputs compute in float32
+    compute_dtype = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
+    o, final_state = getattr(reference, op)(
+        q, k, v, g, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm=use_qk_l2norm,
+        compute_dtype=compute_dtype,
+        mode="chunk",
+    )
+    return o.to(q.dtype), final_state
+
+
+def _fla_state_args(q, initial_state, cu_seqlens):
+    # fla keeps recurrent states in float32 (chunk_kda asserts it) and wants long cu_seqlens
+    if initial_state is not None:
+        initial_state = initial_state.float()
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
+    return initial_state, cu_seqlens
+
+
+def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    initial_state, cu_seqlens = _fla_state_args(q, initial_state, cu_seqlens)
+    o, final_state = chunk_gated_delta_rule(
+        q, k, v, g, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        cu_seqlens=cu_seqlens,
+    )
+    return o.to(q.dtype), final_state
+
+
+def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+    from fla.ops.kda import chunk_kda
+
+    selection.kda_tilelang_setting()  # FLA_TILELANG must be in force before fla dispatches
+    initial_state, cu_seqlens = _fla_state_args(q, initial_state, cu_seqlens)
+    o, final_state = chunk_kda(
+        q, k, v, g, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=use_qk_l2norm,
+        use_gate_in_kernel=False,  # g is already the log decay
+        cu_seqlens=cu_seqlens,
+    )
+    return o.to(q.dtype), final_state

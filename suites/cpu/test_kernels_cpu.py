@@ -1,0 +1,152 @@
+"""The op entries on CPU tensors: dispatch to the references, dtype kept, bad variants refused."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn import kernels, reference
+
+SEED = 1234
+CU_SEQLENS = [0, 5, 6, 19]  # three packed sequences, one of them a single token
+
+
+def rel_err(actual, expected):
+    """Relative Frobenius error in float64; NaN or Inf in either tensor never passes."""
+    actual, expected = actual.detach().double(), expected.detach().double()
+    assert torch.isfinite(actual).all() and torch.isfinite(expected).all(), "non-finite values"
+    return ((actual - expected).norm() / expected.norm()).item()
+
+
+def conv_inputs(dtype, seed=SEED):
+    gen = torch.Generator().manual_seed(seed)
+    T, D, W = CU_SEQLENS[-1], 6, 4
+    x = torch.randn(1, T, D, generator=gen, dtype=torch.float64)
+    weight = torch.randn(D, W, generator=gen, dtype=torch.float64) / W
+    bias = torch.randn(D, generator=gen, dtype=torch.float64)
+    return [t.to(dtype) for t in (x, weight, bias)], torch.tensor(CU_SEQLENS)
+
+
+def delta_inputs(dtype, per_channel_gate, H=2, HV=4, K=8, V=6, seed=SEED):
+    gen = torch.Generator().manual_seed(seed)
+    T, N = CU_SEQLENS[-1], len(CU_SEQLENS) - 1
+    q = torch.randn(1, T, H, K, generator=gen, dtype=torch.float64)
+    k = F.normalize(torch.randn(1, T, H, K, generator=gen, dtype=torch.float64), dim=-1)
+    v = torch.randn(1, T, HV, V, generator=gen, dtype=torch.float64)
+    gate_shape = (1, T, HV, K) if per_channel_gate else (1, T, HV)
+    g = F.logsigmoid(torch.randn(*gate_shape, generator=gen, dtype=torch.float64))
+    beta = torch.rand(1, T, HV, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(N, HV, K, V, generator=gen, dtype=torch.float64)
+    return [t.to(dtype) for t in (q, k, v, g, beta, h0)], torch.tensor(CU_SEQLENS)
+
+
+# ---- short conv ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", [None, "torch"])
+def test_short_conv_float64_is_the_reference(backend):
+    (x, weight, bias), cu = conv_inputs(torch.float64)
+    y = kernels.short_conv(x, weight, cu, bias, "silu", backend=backend)
+    expected = reference.short_conv(x, weight, cu, bias, "silu")
+    assert y.dtype == torch.float64
+    assert torch.equal(y, expected)
+
+
+@pytest.mark.parametrize("activation", ["silu", None])
+def test_short_conv_float32_keeps_dtype(activation):
+    (x, weight, bias), cu = conv_inputs(torch.float32)
+    y = kernels.short_conv(x, weight, cu, bias, activation)
+    expected = reference.short_conv(x.double(), weight.double(), cu, bias.double(), activation)
+    assert y.dtype == torch.float32
+    assert rel_err(y, expected) <= 1e-5
+
+
+def test_short_conv_bfloat16_keeps_dtype():
+    (x, weight, bias), cu = conv_inputs(torch.bfloat16)
+    y = kernels.short_conv(x, weight, cu, bias)
+    expected = reference.short_conv(x.double(), weight.double(), cu, bias.double())
+    assert y.dtype == torch.bfloat16
+    assert rel_err(y, expected) <= 1e-2
+
+
+@pytest.mark.parametrize("backend", ["triton", "mix", "cuda"])
+def test_short_conv_gpu_backend_on_cpu_tensor_raises(backend):
+    (x, weight, bias), cu = conv_inputs(torch.float32)
+    with pytest.raises(ValueError, match="^backend"):
+        kernels.short_conv(x, weight, cu, bias, backend=backend)
+
+
+def test_short_conv_unknown_backend_raises():
+    (x, weight, bias), cu = conv_inputs(torch.float32)
+    with pytest.raises(ValueError, match="^backend.*'fast'"):
+        kernels.short_conv(x, weight, cu, bias, backend="fast")
+
+
+# ---- gated delta rule and KDA ---------------------------------------------------------------
+
+@pytest.mark.parametrize("use_qk_l2norm", [False, True])
+@pytest.mark.parametrize("op, per_channel_gate", [("gated_delta_rule", False), ("kda", True)])
+def test_delta_rule_float64_is_the_reference(op, per_channel_gate, use_qk_l2norm):
+    (q, k, v, g, beta, h0), cu = delta_inputs(torch.float64, per_channel_gate)
+    o, state = getattr(kernels, op)(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                                    use_qk_l2norm=use_qk_l2norm)
+    o_ref, state_ref = getattr(reference, op)(
+        q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu, mode="chunk",
+        use_qk_l2norm=use_qk_l2norm,
+    )
+    assert o.dtype == torch.float64
+    assert torch.equal(o, o_ref) and torch.equal(state, state_ref)
+
+
+@pytest.mark.parametrize("op, per_channel_gate", [("gated_delta_rule", False), ("kda", True)])
+def test_delta_rule_float32_keeps_dtype(op, per_channel_gate):
+    (q, k, v, g, beta, h0), cu = delta_inputs(torch.float32, per_channel_gate)
+    o, state = getattr(kernels, op)(q, k, v, g, beta, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+    as64 = [t.double() for t in (q, k, v, g, beta, h0)]
+    o_ref, state_ref = getattr(reference, op)(*as64[:5], initial_state=as64[5], output_final_state=True, cu_seqlens=cu)
+    assert o.dtype == torch.float32
+    assert rel_err(o, o_ref) <= 1e-5
+    assert rel_err(state, state_ref) <= 1e-5
+
+
+@pytest.mark.parametrize("H, HV, use_qk_l2norm", [(2, 2, False), (2, 4, False), (2, 4, True)])
+def test_gdn_kda_route_matches_gdn_with_gradients(H, HV, use_qk_l2norm):
+    # the route fla needs on Hopper: GDN as KDA with the gate broadcast over K, q/k repeated
+    (q, k, v, g, beta, h0), cu = delta_inputs(torch.float64, False, H=H, HV=HV)
+    inputs = [t.requires_grad_() for t in (q, k, v, g, beta, h0)]
+    common = dict(initial_state=h0, output_final_state=True, cu_seqlens=cu, use_qk_l2norm=use_qk_l2norm)
+    o_ref, s_ref = reference.gated_delta_rule(*inputs[:5], **common)
+    o, s = kernels.gated_delta_rule(*inputs[:5], **common, route="kda")
+    gen = torch.Generator().manual_seed(SEED + 1)
+    do, ds = torch.randn(o.shape, generator=gen, dtype=torch.float64), torch.randn(s.shape, generator=gen, dtype=torch.float64)
+    grads_ref = torch.autograd.grad((o_ref * do).sum() + (s_ref * ds).sum(), inputs)
+    grads = torch.autograd.grad((o * do).sum() + (s * ds).sum(), inputs)
+    assert rel_err(o, o_ref) <= 1e-10
+    assert rel_err(s, s_ref) <= 1e-10
+    for name, grad, grad_ref in zip(("q", "k", "v", "g", "beta", "h0"), grads, grads_ref):
+        assert grad.shape == grad_ref.shape, name
+        assert rel_err(grad, grad_ref) <= 1e-10, name
+
+
+@pytest.mark.parametrize("route", ["fast", "recurrent", ""])
+def test_gdn_bad_route_raises(route):
+    (q, k, v, g, beta, _), cu = delta_inputs(torch.float32, False)
+    with pytest.raises(ValueError, match="^route"):
+        kernels.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu, route=route)
+
+
+def test_kda_route_other_than_kda_raises():
+    (q, k, v, g, beta, _), cu = delta_inputs(torch.float32, True)
+    with pytest.raises(ValueError, match="^route"):
+        kernels.kda(q, k, v, g, beta, cu_seqlens=cu, route="gated_delta_rule")
+
+
+@pytest.mark.parametrize("op, per_channel_gate", [("gated_delta_rule", True), ("kda", False)])
+def test_wrong_gate_shape_raises(op, per_channel_gate):
+    (q, k, v, g, beta, _), cu = delta_inputs(torch.float32, per_channel_gate)
+    with pytest.raises(ValueError, match="^g must have shape"):
+        getattr(kernels, op)(q, k, v, g, beta, cu_seqlens=cu)
+
+
+def test_wrong_initial_state_count_raises():
+    (q, k, v, g, beta, h0), cu = delta_inputs(torch.float32, False)
+    with pytest.raises(ValueError, match="^initial_state"):
+        kernels.gated_delta_rule(q, k, v, g, beta, initial_state=h0[:1], cu_seqlens=cu)

@@ -1,0 +1,152 @@
+"""fla's kernels through the op entries, bf16 on one GPU, against the float64 references.
+
+Inputs are drawn in float64 on the CPU from a fixed seed, rounded to the kernel's dtype, and the
+reference runs in float64 on those rounded values, so the only error left is the kernel's.
+Measured on an H200 (shared/gpu/README.md): about 3.5e-3 relative error; the bound is 2e-2.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs seconds
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
+
+from linattn import kernels, reference, selection  # noqa: E402
+
+try:
+    from pytest_linattn import assert_parity
+except ImportError:
+    def assert_parity(actual, expected, *, rtol, name="output"):
+        """Relative Frobenius error per tensor, in float64; NaN or Inf never passes."""
+        a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
+        assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
+        assert torch.isfinite(a).all(), f"{name}: non-finite values in the kernel's result"
+        err = ((a - e).norm() / e.norm()).item()
+        assert err <= rtol, f"{name}: relative error {err:.3e} > {rtol:g}"
+
+SEED = 2026
+RTOL = 2e-2
+DTYPE = torch.bfloat16
+CU_SEQLENS = [0, 1, 130, 300, 515]  # four packed sequences: length 1, a partial chunk, 170, 215
+DEVICE = "cuda"
+
+pytestmark = pytest.mark.gpus(1)
+
+FACTS = selection.read_facts()
+CAUSAL_CONV1D_BWD = FACTS.causal_conv1d_bwd_importable
+GDN_BWD_REFUSED = selection.choose_gdn_route(FACTS).value == "kda"
+
+
+def draw(shape, gen, kind="normal"):
+    sample = torch.randn if kind == "normal" else torch.rand
+    return sample(shape, generator=gen, dtype=torch.float64)
+
+
+def leaves(tensors, dtypes):
+    """The kernel's inputs (rounded to their dtypes, on the GPU) and the reference's (float64 of the same values)."""
+    ours = [t.to(dtype).to(DEVICE).requires_grad_() for t, dtype in zip(tensors, dtypes)]
+    ref = [t.detach().double().requires_grad_() for t in ours]
+    return ours, ref
+
+
+def grads_of(outputs, cotangents, inputs):
+    loss = sum((o.double() * c.to(o.device)).sum() for o, c in zip(outputs, cotangents))
+    return torch.autograd.grad(loss, inputs)
+
+
+# ---- short conv ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("backend", ["triton", "mix", "cuda"])
+def test_short_conv_backend_matches_reference(backend):
+    if backend in ("mix", "cuda") and not CAUSAL_CONV1D_BWD:
+        pytest.skip(f"backend {backend} needs causal-conv1d's CUDA kernels, which do not import here")
+    gen = torch.Generator().manual_seed(SEED)
+    T, D, W = CU_SEQLENS[-1], 256, 4
+    cu = torch.tensor(CU_SEQLENS, device=DEVICE)
+    (x, weight, bias), (x64, w64, b64) = leaves(
+        [draw((1, T, D), gen), draw((D, W), gen) / W, draw((D,), gen)], [DTYPE] * 3)
+    y = kernels.short_conv(x, weight, cu, bias, "silu", backend=backend)
+    y_ref = reference.short_conv(x64, w64, cu, b64, "silu")
+    assert y.dtype == DTYPE
+    dy = draw((1, T, D), gen)
+    grads = grads_of([y], [dy.to(DEVICE)], [x, weight, bias])
+    grads_ref = grads_of([y_ref], [dy.to(DEVICE)], [x64, w64, b64])
+    assert_parity(y, y_ref, rtol=RTOL, name=f"short_conv[{backend}] y")
+    for name, grad, grad_ref in zip(("dx", "dweight", "dbias"), grads, grads_ref):
+        assert_parity(grad, grad_ref, rtol=RTOL, name=f"short_conv[{backend}] {name}")
+
+
+# ---- KDA and gated delta rule -------------------------------------------------------------
+
+def delta_inputs(per_channel_gate, H, HV, K=64, V=64):
+    gen = torch.Generator().manual_seed(SEED + HV)
+    T, N = CU_SEQLENS[-1], len(CU_SEQLENS) - 1
+    gate_shape = (1, T, HV, K) if per_channel_gate else (1, T, HV)
+    tensors = [
+        draw((1, T, H, K), gen),                                  # q
+        F.normalize(draw((1, T, H, K), gen), dim=-1),             # k
+        draw((1, T, HV, V), gen),                                 # v
+        F.logsigmoid(draw(gate_shape, gen, "uniform")),           # g: log decay, as fla's tests draw it
+        draw((1, T, HV), gen, "uniform").sigmoid(),               # beta
+        draw((N, HV, K, V), gen),                                 # initial state
+    ]
+    # g and the state in float32, as the layers hand them to fla
+    dtypes = [DTYPE, DTYPE, DTYPE, torch.float32, DTYPE, torch.float32]
+    ours, ref = leaves(tensors, dtypes)
+    cotangents = [draw((1, T, HV, V), gen), draw((N, HV, K, V), gen)]
+    return ours, ref, cotangents
+
+
+def check_delta_rule(op, ours, ref, cotangents, backward=True, **kwargs):
+    cu = torch.tensor(CU_SEQLENS, device=DEVICE)
+    reference_op = reference.kda if op == "kda" else reference.gated_delta_rule
+    o, s = getattr(kernels, op)(*ours[:5], initial_state=ours[5], output_final_state=True, cu_seqlens=cu, **kwargs)
+    o_ref, s_ref = reference_op(*ref[:5], initial_state=ref[5], output_final_state=True, cu_seqlens=cu)
+    label = f"{op}{kwargs or ''}"
+    assert o.dtype == DTYPE
+    assert_parity(o, o_ref, rtol=RTOL, name=f"{label} o")
+    assert_parity(s, s_ref, rtol=RTOL, name=f"{label} final_state")
+    if not backward:
+        return
+    grads = grads_of([o, s], cotangents, ours)
+    grads_ref = grads_of([o_ref, s_ref], cotangents, ref)
+    for name, grad, grad_ref in zip(("dq", "dk", "dv", "dg", "dbeta", "dh0"), grads, grads_ref):
+        assert_parity(grad, grad_ref, rtol=RTOL, name=f"{label} {name}")
+
+
+@pytest.mark.parametrize("H, HV", [(4, 4), (2, 4)])
+def test_kda_matches_reference(H, HV):
+    check_delta_rule("kda", *delta_inputs(True, H, HV))
+
+
+@pytest.mark.parametrize("H, HV", [(4, 4), (2, 4)])
+def test_gdn_kda_route_matches_reference(H, HV):
+    # the route used where fla refuses GDN's backward; correct everywhere chunk_kda runs
+    check_delta_rule("gated_delta_rule", *delta_inputs(False, H, HV), route="kda")
+
+
+@pytest.mark.parametrize("H, HV", [(4, 4), (2, 4)])
+def test_gdn_direct_route_matches_reference(H, HV):
+    # where fla refuses the backward (Hopper, Triton in [3.4.0, 3.7.1), no TileLang) only the
+    # forward is checked: that is what the kda route exists for
+    check_delta_rule("gated_delta_rule", *delta_inputs(False, H, HV), backward=not GDN_BWD_REFUSED,
+                     route="gated_delta_rule")
+
+
+def test_gdn_default_route_runs_backward():
+    # route=None takes selection.gdn_route(): it must never pick a route whose backward fla refuses
+    check_delta_rule("gated_delta_rule", *delta_inputs(False, 2, 4))
+    assert selection.gdn_route() == ("kda" if GDN_BWD_REFUSED else "gated_delta_rule")
+
+
+def test_gdn_direct_backward_is_refused_where_selection_says_so():
+    if not GDN_BWD_REFUSED:
+        pytest.skip("fla allows GDN's backward on this machine")
+    ours, _, cotangents = delta_inputs(False, 4, 4)
+    cu = torch.tensor(CU_SEQLENS, device=DEVICE)
+    o, s = kernels.gated_delta_rule(*ours[:5], initial_state=ours[5], output_final_state=True, cu_seqlens=cu,
+                                    route="gated_delta_rule")
+    with pytest.raises(RuntimeError, match="3.7.1"):
+        grads_of([o, s], cotangents, ours)
