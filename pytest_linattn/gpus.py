@@ -52,7 +52,8 @@ def gpu_count() -> int:
     env = os.environ.get("CUDA_VISIBLE_DEVICES")
     if env is None:
         return _torch_device_count()
-    return min(len(visible_gpu_ids()), _torch_device_count())
+    visible = visible_gpu_ids()
+    return min(len(visible), _torch_device_count()) if visible else 0
 
 
 def default_lock_dir() -> str:

@@ -67,7 +67,8 @@ def _argtype(parse, flag):
         try:
             parse(value, flag)
         except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
+            # argparse already names the option.
+            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
         return value
 
     check.__name__ = flag.lstrip("-")
@@ -245,31 +246,40 @@ def cp_size(request) -> int:
 # markers that skip
 
 
-def _gpus_available(config) -> int:
-    if _value(config, "device") == "cpu":
-        return 0
-    from .gpus import gpu_count
+def _marker_int(marker) -> int:
+    value = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"@pytest.mark.{marker.name}: n must be a non-negative int, got {value!r}")
+    return value
 
-    return gpu_count()
+
+def _skip(reason):
+    __tracebackhide__ = True
+    try:
+        # Reported at the test's location, as a skip mark would be, not at this line.
+        raise pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:  # pragma: no cover - older pytest
+        pytest.skip(reason)
 
 
 def pytest_runtest_setup(item):
-    needs = []
-    marker = item.get_closest_marker("gpus")
-    if marker is not None:
-        needs.append((int(marker.args[0]) if marker.args else 1, "gpus"))
-    marker = item.get_closest_marker("world_size")
-    if marker is not None and marker.args and _value(item.config, "device") != "cpu":
-        needs.append((int(marker.args[0]), "world_size"))
-    needs = [(n, why) for n, why in needs if n > 0]
-    if needs:
-        have = _gpus_available(item.config)
+    gpus = item.get_closest_marker("gpus")
+    world = item.get_closest_marker("world_size")
+    if gpus is not None or world is not None:
         device = _value(item.config, "device")
-        for n, why in needs:
-            if device == "cpu" and why == "gpus":
-                pytest.skip(f"needs {n} GPU(s); this run uses --linattn-device cpu")
-            if have < n and (why == "gpus" or device != "cpu"):
-                pytest.skip(f"needs {n} GPU(s) ({why}({n})); this machine has {have}")
+        if gpus is not None and device == "cpu":
+            _skip(f"needs {_marker_int(gpus)} GPU(s); this run uses --linattn-device cpu")
+        if device != "cpu":
+            from .gpus import gpu_count
+
+            have = gpu_count()
+            if gpus is not None and have < _marker_int(gpus):
+                _skip(f"needs {_marker_int(gpus)} GPU(s) (gpus({_marker_int(gpus)})); "
+                      f"this machine has {have}")
+            # world_size(n) needs n GPUs only when the ranks run on GPUs (auto with none: CPU).
+            if world is not None and (device == "cuda" or have > 0) and have < _marker_int(world):
+                _skip(f"needs {_marker_int(world)} GPU(s) (world_size({_marker_int(world)})); "
+                      f"this machine has {have}")
     _set_parity_test(item.nodeid)
 
 
