@@ -89,16 +89,17 @@ def _run_cp_cases(cases):
 
 
 def _reference_case(case):
+    # float64 leaves holding the bf16 values, so the reference gradients are float64 too
     cu = case["cu"]
     ref = {}
     c = case["conv"]
-    x, weight, bias = (_leaf(c[n], "cpu") for n in ("x", "weight", "bias"))
+    x, weight, bias = (_leaf(c[n].double(), "cpu") for n in ("x", "weight", "bias"))
     y = reference.short_conv(x, weight, cu, bias, "silu")
     (y * c["dy"].double()).sum().backward()
     ref["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
     for op in OPS:
         t = case[op]
-        ins = {n: _leaf(t[n], "cpu") for n in ("q", "k", "v", "g", "beta")}
+        ins = {n: _leaf(t[n].double(), "cpu") for n in ("q", "k", "v", "g", "beta")}
         o, _ = getattr(reference, op)(*ins.values(), cu_seqlens=cu, use_qk_l2norm=True)
         (o * t["do"].double()).sum().backward()
         ref[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
