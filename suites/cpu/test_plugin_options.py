@@ -255,3 +255,42 @@ def test_import_is_cheap():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": ""})
     assert out.stdout.strip() == "[]"
+
+
+# -- parity records: summary and --linattn-report -----------------------------------------------
+
+PARITY_TESTS = """
+import torch
+from pytest_linattn import assert_parity
+
+
+def test_close():
+    x = torch.randn(2, 8, 3, dtype=torch.float64)
+    assert_parity(x * (1 + 1e-12), x, rtol=1e-10, name="out")
+
+
+def test_broken():
+    x = torch.randn(1, 8, 3, dtype=torch.float64)
+    y = x.clone()
+    y[0, 5, 1] += 10.0
+    assert_parity(y, x, rtol=1e-10, name="grad_q")
+"""
+
+
+@pytest.mark.parametrize("xdist", [False, True], ids=["serial", "xdist"])
+def test_parity_summary_and_report(pytester, xdist):
+    import json
+
+    if xdist:
+        pytest.importorskip("xdist")
+    pytester.makepyfile(test_par=PARITY_TESTS)
+    report = pytester.path / "report"
+    args = ["--linattn-report", str(report)] + (["-n", "2"] if xdist else [])
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(passed=1, failed=1)
+    # Records made in xdist workers reach the controller's summary and report.
+    result.stdout.fnmatch_lines(["*linattn parity*", "*2 check(s), 1 failed*"])
+    records = json.loads((report / "parity.json").read_text())
+    assert sorted((r["test"], r["tensor"], r["passed"]) for r in records) == [
+        ("test_par.py::test_broken", "grad_q", False), ("test_par.py::test_close", "out", True)]
+    assert list(report.glob("*.png"))

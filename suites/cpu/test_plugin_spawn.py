@@ -55,20 +55,20 @@ def _record(out):
 
 
 def test_tensors_in_rank_order(spawn):
-    out = spawn(rank_info, 3, scale=2.0)
+    out = spawn(rank_info, 2, scale=2.0)
     _record(out)
-    assert [o["rank"] for o in out] == [0, 1, 2]
-    assert all(o["world"] == 3 for o in out)
+    assert [o["rank"] for o in out] == [0, 1]
+    assert all(o["world"] == 2 for o in out)
     for r, o in enumerate(out):
         assert o["sum"].device.type == "cpu"
-        assert torch.equal(o["sum"], torch.full((2,), 12.0))
+        assert torch.equal(o["sum"], torch.full((2,), 6.0))
         assert torch.equal(o["pair"][0], torch.arange(3) + r)
         assert o["pair"][1] == [r]
 
 
 def test_pool_is_reused(spawn):
-    a = spawn(rank_info, 3, 1.0)
-    b = spawn(rank_info, 3, 1.0)
+    a = spawn(rank_info, 2, 1.0)
+    b = spawn(rank_info, 2, 1.0)
     _record(a)
     assert [o["pid"] for o in a] == [o["pid"] for o in b]
 
@@ -151,6 +151,31 @@ def _pids(path) -> list[int]:
     return [int(p) for line in path.read_text().split("\n") for p in line.split()]
 
 
+def _tagged(tag: str) -> list[int]:
+    """Live processes started with LINATTN_LEAK_TAG=tag in their environment: the inner pytest
+    run's ranks and anything else it started."""
+    needle = f"LINATTN_LEAK_TAG={tag}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in env and _alive(int(d)):
+            found.append(int(d))
+    return found
+
+
+def _no_leftovers(tag: str, wait: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + wait
+    while (left := _tagged(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
 def _durations(junit) -> dict[str, float]:
     root = ET.parse(junit).getroot()
     return {case.get("name"): float(case.get("time")) for case in root.iter("testcase")}
@@ -169,6 +194,8 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     pytester.makepyfile(test_ranks=RANK_TESTS)
     pids_file = pytester.path / "pids.txt"
     monkeypatch.setenv("PIDS_FILE", str(pids_file))
+    tag = f"spawn-{os.getpid()}-{time.monotonic_ns()}"
+    monkeypatch.setenv("LINATTN_LEAK_TAG", tag)
     junit = pytester.path / "junit.xml"
     result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
                                            "--linattn-timeout", "60", f"--junitxml={junit}")
@@ -194,6 +221,7 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     # No rank outlives the run.
     pids = _pids(pids_file)
     assert pids and not [p for p in pids if _alive(p)]
+    assert not _no_leftovers(tag)
 
 
 def test_hang_times_out_with_every_stack(pytester, monkeypatch):
@@ -214,7 +242,7 @@ def test_hang_times_out_with_every_stack(pytester, monkeypatch):
     assert not [p for p in _pids(pids_file) if _alive(p)]
 
 
-def test_importlib_mode_and_rootdir_layout(pytester):
+def test_importlib_mode(pytester):
     # A test module inside a package-less subfolder, imported with --import-mode=importlib: the
     # ranks cannot import it by name from sys.path and must load it from its file.
     pytester.makepyfile(**{"tests/sub/test_deep.py": r'''
@@ -234,10 +262,10 @@ def add(box):
 def test_deep(spawn):
     assert [b.value for b in spawn(add, 2, Box(10))] == [10, 11]
 '''})
-    for mode in ("importlib", "prepend"):
-        result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
-                                               f"--import-mode={mode}", "tests")
-        result.assert_outcomes(passed=1)
+    # (The default prepend mode is what every other test here uses.)
+    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
+                                           "--import-mode=importlib", "tests")
+    result.assert_outcomes(passed=1)
 
 
 def _stress_rounds() -> int:
@@ -273,3 +301,123 @@ def test_many(spawn, i):
         result.assert_outcomes(passed=20)
         assert "rendezvous" not in text.lower() and "address already in use" not in text.lower()
         print(f"round {round_}: 20 passed in {time.monotonic() - start:.1f} s")
+
+
+LAUNCHED_TESTS = r'''
+import os
+import pytest
+import torch
+import torch.distributed as dist
+from pytest_linattn.pool import RankFailure
+
+
+def info(x):
+    return dist.get_rank(), os.getpid(), torch.tensor([x * (dist.get_rank() + 1)])
+
+
+def raise_on_one():
+    if dist.get_rank() == 1:
+        raise KeyError("launched rank one")
+    return "fine"
+
+
+def test_gathered(spawn):
+    out = spawn(info, 2, 3)
+    assert [o[0] for o in out] == [0, 1]
+    assert [o[2].item() for o in out] == [3, 6]
+    assert out[dist.get_rank()][1] == os.getpid()  # ran here, not in a spawned process
+
+
+def test_world_size_must_match(spawn):
+    with pytest.raises(ValueError, match="WORLD_SIZE=2"):
+        spawn(info, 4, 1)
+
+
+def test_failure_reaches_every_rank(spawn):
+    with pytest.raises(RankFailure, match="rank 1 failed") as err:
+        spawn(raise_on_one, 2)
+    assert "KeyError: 'launched rank one'" in str(err.value)
+'''
+
+
+def test_launcher_mode_under_torchrun(pytester):
+    pytester.makepyfile(test_launched=LAUNCHED_TESTS)
+    result = pytester.run(sys.executable, "-m", "torch.distributed.run", "--standalone",
+                          "--nproc_per_node", "2", "-m", "pytest", "-p", "pytest_linattn",
+                          "--linattn-device", "cpu", "-q", "-p", "no:cacheprovider",
+                          "test_launched.py", timeout=180)
+    text = result.stdout.str()
+    assert result.ret == 0, text + result.stderr.str()
+    assert text.count("3 passed") == 2, text
+
+
+SLEEPER = r"""
+import os, time
+import torch.distributed as dist
+
+
+def pid():
+    return os.getpid()
+
+
+def test_sleep(spawn):
+    pids = spawn(pid, 2)
+    with open(os.environ["PIDS_FILE"], "w") as f:
+        f.write(" ".join(map(str, pids)))
+    time.sleep(120)
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGKILL"])
+def test_no_rank_outlives_its_pytest(pytester, sig):
+    """Ctrl-C: pytest shuts the pools down. SIGKILL of pytest: the ranks notice and exit."""
+    import signal
+    import subprocess
+
+    pytester.makepyfile(test_sleeper=SLEEPER)
+    pids_file = pytester.path / "pids.txt"
+    tag = f"kill-{os.getpid()}-{time.monotonic_ns()}"
+    env = {**os.environ, "PIDS_FILE": str(pids_file), "LINATTN_LEAK_TAG": tag}
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_linattn", "-q",
+                             "-p", "no:cacheprovider", "--linattn-device", "cpu", "test_sleeper.py"],
+                            cwd=pytester.path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while not (pids_file.exists() and pids_file.read_text()) and time.monotonic() < deadline:
+            assert proc.poll() is None, proc.stdout.read().decode()
+            time.sleep(0.1)
+        pids = _pids(pids_file)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(getattr(signal, sig))
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    if sig == "SIGINT":
+        assert proc.returncode == pytest.ExitCode.INTERRUPTED
+    assert not _no_leftovers(tag), f"ranks alive after {sig} of their pytest"
+
+
+def test_gpu_leases_never_share(tmp_path):
+    # flock is per open file: two leases conflict even inside one process, as across xdist workers.
+    from pytest_linattn.gpus import GpuLease, NotEnoughGpus
+
+    ids = ["0", "1", "2", "3"]
+    a = GpuLease(2, lock_dir=str(tmp_path), gpu_ids=ids)
+    b = GpuLease(2, lock_dir=str(tmp_path), gpu_ids=ids)
+    assert a.acquire(timeout=1) == ["0", "1"]
+    assert b.acquire(timeout=1) == ["2", "3"]
+    with pytest.raises(TimeoutError, match="could not lease 1 GPUs"):
+        GpuLease(1, lock_dir=str(tmp_path), gpu_ids=ids).acquire(timeout=0.3)
+    # A waiting lease first frees its owner's idle GPUs (on_wait), then takes them.
+    c = GpuLease(1, lock_dir=str(tmp_path), gpu_ids=ids)
+    assert c.acquire(timeout=1, on_wait=a.release) == ["0"]
+    with pytest.raises(NotEnoughGpus, match="needs 5 GPUs"):
+        GpuLease(5, lock_dir=str(tmp_path), gpu_ids=ids).acquire(timeout=0.1)
+    with pytest.raises(ValueError, match="n must be"):
+        GpuLease(0)
+    b.release()
+    c.release()
+    assert GpuLease(4, lock_dir=str(tmp_path), gpu_ids=ids).acquire(timeout=1) == ids
