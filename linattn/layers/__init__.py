@@ -1,0 +1,30 @@
+"""Head-sharded linear-attention layers: Gated DeltaNet (Qwen3-Next, Qwen3.5) and Kimi delta
+attention, with HF parameter names, tensor and sequence parallelism.
+
+    config = LinearAttentionConfig("qwen3_next", hidden_size=..., num_k_heads=..., num_v_heads=...,
+                                   head_k_dim=..., head_v_dim=...)
+    layer = build_layer(config, tp_group=tp_group, sequence_parallel=True)
+    layer.load_state_dict(shard_state_dict(full_state_dict, config, tp_rank, tp_size))
+    y = layer(hidden_states, cu_seqlens)
+"""
+
+from .base import HeadShardedLinearAttention, gated_rms_norm
+from .build import build_layer
+from .config import FAMILIES, LinearAttentionConfig
+from .gated_deltanet import GatedDeltaNet
+from .kimi_delta_attention import KimiDeltaAttention
+from .state_dict import ParameterLayout, parameter_layouts, shard_state_dict, unshard_state_dict
+
+__all__ = [
+    "FAMILIES",
+    "GatedDeltaNet",
+    "HeadShardedLinearAttention",
+    "KimiDeltaAttention",
+    "LinearAttentionConfig",
+    "ParameterLayout",
+    "build_layer",
+    "gated_rms_norm",
+    "parameter_layouts",
+    "shard_state_dict",
+    "unshard_state_dict",
+]

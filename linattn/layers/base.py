@@ -1,0 +1,192 @@
+"""What every head-sharded linear-attention layer shares: parameters from the layout table,
+input checks, the TP/SP region around the token mixer, and the two kernel call sites.
+
+Forward of every family, on one TP rank holding 1/tp of the heads:
+
+    x = enter(hidden_states)         SP: all-gather tokens    | else: copy (bwd all-reduce of dx)
+    y = family mixer on local heads  column-parallel in, per-head conv + recurrence + gated norm,
+                                     row-parallel out (partial sums over the TP ranks)
+    return exit(y)                   SP: reduce-scatter tokens | else: all-reduce
+
+Replicated weights (norm weight, KDA's f_a_proj and g_a_proj) pass through
+copy_to_tensor_parallel_region where they are used, so their gradient is summed over TP
+inside backward, like the input's.
+
+Context parallelism slots in at exactly two methods: `_short_conv` (every short convolution of
+a family goes through one call) and `_delta_rule` (the recurrence).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from linattn import kernels
+from linattn.parallel.groups import group_rank, group_size
+from linattn.parallel.mappings import (
+    copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+from linattn.reference.checks import validate_cu_seqlens
+
+from .config import LinearAttentionConfig
+from .state_dict import FLATTENABLE, parameter_layouts
+
+__all__ = ["HeadShardedLinearAttention", "gated_rms_norm"]
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str) -> torch.Tensor:
+    """RMSNorm over the last dim, times weight, times act(gate) (norm before gate, as HF and fla).
+
+    activation: "silu" (Qwen3-Next / Qwen3.5) or "sigmoid" (KDA). Half precision computes in float32.
+    """
+    compute_dtype = torch.promote_types(x.dtype, torch.float32)
+    xc = x.to(compute_dtype)
+    y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute_dtype)
+    gate = gate.to(compute_dtype)
+    y = y * (F.silu(gate) if activation == "silu" else torch.sigmoid(gate))
+    return y.to(x.dtype)
+
+
+class _Parameters(nn.Module):
+    """Holder for a dotted parameter name's prefix (`in_proj_qkvz` in `in_proj_qkvz.weight`)."""
+
+
+class HeadShardedLinearAttention(nn.Module):
+    """Base of GatedDeltaNet and KimiDeltaAttention; build them with `linattn.layers.build_layer`.
+
+    `config` is the replicated layer's; this module holds the TP rank's shard, whose sizes are
+    `local_config` (1/tp of the key and value heads). Parameter names and shapes are those of
+    `parameter_layouts(local_config)`: the HF names, so with tp_group=None a checkpoint's layer
+    state dict loads directly, and `shard_state_dict` gives each TP rank its piece.
+    """
+
+    def __init__(
+        self,
+        config: LinearAttentionConfig,
+        *,
+        tp_group=None,
+        sequence_parallel: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device="cpu",
+    ):
+        super().__init__()
+        if not isinstance(config, LinearAttentionConfig):
+            raise ValueError(f"config must be a LinearAttentionConfig, got {type(config).__name__}")
+        self.config = config
+        self.tp_group = tp_group
+        self.tp_size = group_size(tp_group)
+        self.tp_rank = group_rank(tp_group)
+        self.local_config = config.local(self.tp_size)  # raises unless tp_size divides num_k_heads
+        # SP is a TP variant: with one rank there is nothing to split
+        self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        for name, layout in parameter_layouts(self.local_config).items():
+            owner = self
+            *prefixes, leaf = name.split(".")
+            for prefix in prefixes:
+                if not hasattr(owner, prefix):
+                    owner.add_module(prefix, _Parameters())
+                owner = getattr(owner, prefix)
+            tensor = torch.empty(layout.shape, dtype=dtype, device=device)
+            owner.register_parameter(leaf, nn.Parameter(self._initial_value(name, tensor)))
+
+    # ---- initialisation (HF / fla defaults; a checkpoint or shard_state_dict overwrites them) ----
+
+    def _initial_value(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if name == "A_log":
+                return tensor.uniform_(1.0, 16.0).log_()
+            if name == "dt_bias":
+                # dt log-uniform in [1e-3, 0.1], stored as softplus^-1(dt) (fla, Mamba2)
+                dt = torch.exp(torch.rand_like(tensor) * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
+                dt = dt.clamp(min=1e-4)
+                return tensor.copy_(dt + torch.log(-torch.expm1(-dt)))
+            if name.endswith("norm.weight"):
+                return tensor.fill_(1.0)
+            fan_in = tensor.shape[-1]  # linear: in_features; depthwise conv: kernel width
+            bound = 1.0 / math.sqrt(fan_in)
+            return tensor.uniform_(-bound, bound)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Kimi Linear stores A_log as [1, 1, H, 1]; accept any layout of the same elements
+        for name in FLATTENABLE:
+            key = prefix + name
+            param = self._parameters.get(name)
+            if key in state_dict and param is not None:
+                value = state_dict[key]
+                if isinstance(value, torch.Tensor) and value.shape != param.shape and value.numel() == param.numel():
+                    state_dict[key] = value.reshape(param.shape)
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    # ---- forward ----
+
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """hidden_states `[1, T_local, hidden]` (T_local = T / tp under SP, else T); cu_seqlens: the
+        global packed-sequence boundaries `[N + 1]` (int32). Returns `[1, T_local, hidden]`."""
+        self._check_inputs(hidden_states, cu_seqlens)
+        cu_seqlens = cu_seqlens.to(device=hidden_states.device)
+        x = self._enter_tensor_parallel_region(hidden_states)
+        y = self._mix_tokens(x, cu_seqlens)
+        return self._exit_tensor_parallel_region(y)
+
+    def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+        hidden = self.config.hidden_size
+        if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
+            raise ValueError(f"hidden_states must be a [1, T, hidden] tensor, got {getattr(hidden_states, 'shape', hidden_states)!r}")
+        if hidden_states.shape[0] != 1 or hidden_states.shape[2] != hidden:
+            raise ValueError(f"hidden_states must be packed as [1, T, {hidden}], got {tuple(hidden_states.shape)}")
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
+            raise ValueError(f"cu_seqlens must be a 1-D tensor of at least 2 boundaries, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
+        total = int(cu_seqlens[-1])
+        local_tokens = hidden_states.shape[1]
+        if self.sequence_parallel:
+            if total % self.tp_size != 0:
+                raise ValueError(
+                    f"sequence parallel needs the total token count divisible by the TP size: "
+                    f"cu_seqlens[-1]={total}, tp_size={self.tp_size}"
+                )
+            if local_tokens * self.tp_size != total:
+                raise ValueError(
+                    f"hidden_states must hold cu_seqlens[-1] / tp_size = {total // self.tp_size} tokens under "
+                    f"sequence parallel, got {local_tokens}"
+                )
+        elif local_tokens != total:
+            raise ValueError(f"hidden_states must hold cu_seqlens[-1] = {total} tokens, got {local_tokens}")
+        validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+
+    def _enter_tensor_parallel_region(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(hidden_states, self.tp_group)
+        return copy_to_tensor_parallel_region(hidden_states, self.tp_group)
+
+    def _exit_tensor_parallel_region(self, partial_output: torch.Tensor) -> torch.Tensor:
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(partial_output, self.tp_group)
+        return reduce_from_tensor_parallel_region(partial_output, self.tp_group)
+
+    def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
+        """A weight every TP rank holds whole: its gradient is summed over TP in backward."""
+        return copy_to_tensor_parallel_region(weight, self.tp_group)
+
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Family-specific: `[1, T, hidden]` (all tokens) -> this rank's partial `[1, T, hidden]`."""
+        raise NotImplementedError
+
+    # ---- the two kernel call sites (context parallelism replaces these) ----
+
+    def _short_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over packed `[1, T, D]` channels, weight `[D, W]`."""
+        return kernels.short_conv(x, weight, cu_seqlens=cu_seqlens, activation="silu")
+
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """The recurrence on this rank's heads: q, k `[1, T, H, dk]`, v `[1, T, HV, dv]`, g `[1, T, HV]`
+        (gdn) or `[1, T, HV, dk]` (kda), beta `[1, T, HV]`; returns o `[1, T, HV, dv]`.
+        q and k are L2-normalised inside the kernel, scale = dk ** -0.5 (HF, fla)."""
+        op = kernels.kda if self.config.op == "kda" else kernels.gated_delta_rule
+        out = op(q, k, v, g, beta, scale=self.config.head_k_dim ** -0.5, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,104 @@
+"""Configuration shared by every linear-attention layer family.
+
+Families (parameter names follow each family's Hugging Face checkpoint, see state_dict.py):
+
+    qwen3_next  GatedDeltaNet, fused in_proj_qkvz / in_proj_ba grouped per key head (Qwen3-Next)
+    qwen3_5     GatedDeltaNet, separate in_proj_qkv / in_proj_z / in_proj_b / in_proj_a (Qwen3.5)
+    kda         KimiDeltaAttention, per-key-channel decay (Kimi Linear and successors)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+FAMILIES = ("qwen3_next", "qwen3_5", "kda")
+GDN_FAMILIES = ("qwen3_next", "qwen3_5")
+
+__all__ = ["FAMILIES", "GDN_FAMILIES", "LinearAttentionConfig"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearAttentionConfig:
+    """Sizes of one linear-attention layer (the replicated, unsharded layer).
+
+    family: one of FAMILIES.
+    num_k_heads / num_v_heads: query-key heads and value heads; value head j reads key head
+        j // (num_v_heads // num_k_heads) (grouped value attention, as HF's repeat_interleave).
+    conv_size: width W of the causal depthwise short convolution on q, k and v.
+    norm_eps: epsilon of the gated RMSNorm on the recurrence output.
+    gate_lower_bound (kda only): None gives g = -exp(A_log) * softplus(f + dt_bias); a negative
+        number b gives fla's bounded gate g = b * sigmoid(exp(A_log) * (f + dt_bias)), in [b, 0).
+    output_gate_rank (kda only): None gives a full-rank output gate `g_proj`; an int r gives
+        Kimi Linear's low-rank pair `g_a_proj` (hidden -> r) and `g_b_proj` (r -> value dim).
+    """
+
+    family: str
+    hidden_size: int
+    num_k_heads: int
+    num_v_heads: int
+    head_k_dim: int
+    head_v_dim: int
+    conv_size: int = 4
+    norm_eps: float = 1e-6
+    gate_lower_bound: float | None = None
+    output_gate_rank: int | None = None
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        for name in ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.num_v_heads % self.num_k_heads != 0:
+            raise ValueError(
+                f"num_v_heads must be a multiple of num_k_heads (grouped value attention), "
+                f"got num_v_heads={self.num_v_heads}, num_k_heads={self.num_k_heads}"
+            )
+        if not self.norm_eps > 0:
+            raise ValueError(f"norm_eps must be positive, got {self.norm_eps!r}")
+        if self.family != "kda" and (self.gate_lower_bound is not None or self.output_gate_rank is not None):
+            raise ValueError(f"gate_lower_bound and output_gate_rank apply to family 'kda' only, not {self.family!r}")
+        if self.gate_lower_bound is not None and not self.gate_lower_bound < 0:
+            raise ValueError(f"gate_lower_bound must be negative (a log decay), got {self.gate_lower_bound!r}")
+        rank = self.output_gate_rank
+        if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
+            raise ValueError(f"output_gate_rank must be None or a positive int, got {rank!r}")
+
+    @property
+    def key_dim(self) -> int:
+        return self.num_k_heads * self.head_k_dim
+
+    @property
+    def value_dim(self) -> int:
+        return self.num_v_heads * self.head_v_dim
+
+    @property
+    def v_heads_per_k_head(self) -> int:
+        return self.num_v_heads // self.num_k_heads
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the short convolution: q, k and v, in that order."""
+        return 2 * self.key_dim + self.value_dim
+
+    @property
+    def op(self) -> str:
+        """Recurrence: 'gdn' (scalar decay per value head) or 'kda' (decay per key channel)."""
+        return "kda" if self.family == "kda" else "gdn"
+
+    def check_tensor_parallel_size(self, tp_size: int) -> None:
+        """TP splits whole key heads (and with them their value heads): tp_size must divide num_k_heads."""
+        if not isinstance(tp_size, int) or tp_size < 1:
+            raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+        if self.num_k_heads % tp_size != 0:
+            raise ValueError(
+                f"tensor parallel size must divide num_k_heads: tp_size={tp_size}, num_k_heads={self.num_k_heads}"
+            )
+
+    def local(self, tp_size: int) -> "LinearAttentionConfig":
+        """The config of one TP rank's shard: the same layer with 1/tp_size of the heads."""
+        self.check_tensor_parallel_size(tp_size)
+        return dataclasses.replace(
+            self, num_k_heads=self.num_k_heads // tp_size, num_v_heads=self.num_v_heads // tp_size
+        )

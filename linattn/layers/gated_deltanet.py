@@ -1,0 +1,60 @@
+"""Gated DeltaNet (Qwen3-Next, Qwen3.5), head-sharded over TP.
+
+Math, as HF's Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet (and fla's GatedDeltaNet layer):
+
+    q, k, v, z, b, a = input projections of x          (layout per family, see state_dict.py)
+    q | k | v        = silu(causal depthwise conv over the concatenated q, k, v channels)
+    beta             = sigmoid(b)                        [HV]
+    g                = -exp(A_log) * softplus(a + dt_bias)   (log decay per value head)
+    o                = gated_delta_rule(q, k, v, g, beta, scale=dk^-0.5, L2-normalised q and k)
+    o                = RMSNorm(o) * norm.weight * silu(z)    (per value head, eps = norm_eps)
+    y                = out_proj(o)
+
+Value head j reads key head j // (HV / H); the kernels take q, k with H heads and do the grouping.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import HeadShardedLinearAttention, gated_rms_norm
+
+__all__ = ["GatedDeltaNet"]
+
+
+class GatedDeltaNet(HeadShardedLinearAttention):
+    """Families 'qwen3_next' and 'qwen3_5': same math, different input projection layouts."""
+
+    def _project_inputs(self, x: torch.Tensor):
+        """x `[1, T, hidden]` -> (qkv `[1, T, conv_dim]` block-major [q | k | v], z `[1, T, HV, dv]`, b, a `[1, T, HV]`)."""
+        c = self.local_config
+        T = x.shape[1]
+        H, HV, r, dk, dv = c.num_k_heads, c.num_v_heads, c.v_heads_per_k_head, c.head_k_dim, c.head_v_dim
+        if c.family == "qwen3_next":
+            # rows grouped per key head: [q dk | k dk | v r*dv | z r*dv] and [b r | a r] for each head
+            qkvz = F.linear(x, self.in_proj_qkvz.weight).view(1, T, H, 2 * dk + 2 * r * dv)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=-1)
+            b, a = F.linear(x, self.in_proj_ba.weight).view(1, T, H, 2 * r).split([r, r], dim=-1)
+            qkv = torch.cat([q.reshape(1, T, H * dk), k.reshape(1, T, H * dk), v.reshape(1, T, HV * dv)], dim=-1)
+            return qkv, z.reshape(1, T, HV, dv), b.reshape(1, T, HV), a.reshape(1, T, HV)
+        qkv = F.linear(x, self.in_proj_qkv.weight)
+        z = F.linear(x, self.in_proj_z.weight).view(1, T, HV, dv)
+        return qkv, z, F.linear(x, self.in_proj_b.weight), F.linear(x, self.in_proj_a.weight)
+
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        c = self.local_config
+        T = x.shape[1]
+        qkv, z, b, a = self._project_inputs(x)
+        qkv = self._short_conv(qkv, self.conv1d.weight.squeeze(1), cu_seqlens)
+        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = q.reshape(1, T, c.num_k_heads, c.head_k_dim)
+        k = k.reshape(1, T, c.num_k_heads, c.head_k_dim)
+        v = v.reshape(1, T, c.num_v_heads, c.head_v_dim)
+        beta = torch.sigmoid(b)
+        # the decay in at least float32 (HF: "if the model is loaded in fp16, A might be -inf")
+        gate_dtype = torch.promote_types(x.dtype, torch.float32)
+        g = -self.A_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + self.dt_bias.to(gate_dtype))
+        o = self._delta_rule(q, k, v, g, beta, cu_seqlens)
+        o = gated_rms_norm(o, z, self._replicated(self.norm.weight), self.config.norm_eps, "silu")
+        return F.linear(o.reshape(1, T, c.value_dim), self.out_proj.weight)

@@ -1,0 +1,63 @@
+"""Kimi delta attention (Kimi Linear and successors), head-sharded over TP.
+
+Math, as fla's KimiDeltaAttention layer (fla/layers/kda.py with use_gate_in_kernel) and HF's
+KimiLinearDeltaAttention:
+
+    q, k, v   = silu(causal depthwise conv(q_proj x)), same for k and v (three convs, W taps)
+    f         = f_b_proj(f_a_proj(x)) + dt_bias          [HV, dk]  (f_a_proj: hidden -> dv, low rank)
+    g         = -exp(A_log) * softplus(f)                 without a lower bound
+              = lower_bound * sigmoid(exp(A_log) * f)     with one (fla's safe gate), in [lb, 0)
+    beta      = sigmoid(b_proj x)                          [HV]
+    o         = kda(q, k, v, g, beta, scale=dk^-0.5, L2-normalised q and k)
+    o         = RMSNorm(o) * o_norm.weight * sigmoid(gate)   gate = g_proj x (or g_b_proj(g_a_proj x))
+    y         = o_proj(o)
+
+The three convolutions run as one call on the concatenated [q | k | v] channels (fla fuses them
+the same way), so a context-parallel conv exchanges one halo.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .base import HeadShardedLinearAttention, gated_rms_norm
+
+__all__ = ["KimiDeltaAttention"]
+
+
+class KimiDeltaAttention(HeadShardedLinearAttention):
+    """Family 'kda'."""
+
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        c = self.local_config
+        T = x.shape[1]
+        HV, dk, dv = c.num_v_heads, c.head_k_dim, c.head_v_dim
+        qkv = torch.cat([F.linear(x, self.q_proj.weight), F.linear(x, self.k_proj.weight),
+                         F.linear(x, self.v_proj.weight)], dim=-1)
+        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
+        qkv = self._short_conv(qkv, conv_weight, cu_seqlens)
+        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q = q.reshape(1, T, c.num_k_heads, dk)
+        k = k.reshape(1, T, c.num_k_heads, dk)
+        v = v.reshape(1, T, HV, dv)
+
+        # f_a_proj is replicated (its output feeds every rank's heads): gradient summed over TP
+        f = F.linear(F.linear(x, self._replicated(self.f_a_proj.weight)), self.f_b_proj.weight)
+        gate_dtype = torch.promote_types(x.dtype, torch.float32)
+        f = f.to(gate_dtype).view(1, T, HV, dk) + self.dt_bias.to(gate_dtype).view(HV, dk)
+        decay_rate = self.A_log.to(gate_dtype).exp().view(HV, 1)
+        if self.config.gate_lower_bound is None:
+            g = -decay_rate * F.softplus(f)
+        else:
+            g = self.config.gate_lower_bound * torch.sigmoid(decay_rate * f)
+        beta = torch.sigmoid(F.linear(x, self.b_proj.weight))
+
+        o = self._delta_rule(q, k, v, g, beta, cu_seqlens)
+
+        if self.config.output_gate_rank is None:
+            gate = F.linear(x, self.g_proj.weight)
+        else:
+            gate = F.linear(F.linear(x, self._replicated(self.g_a_proj.weight)), self.g_b_proj.weight)
+        o = gated_rms_norm(o, gate.view(1, T, HV, dv), self._replicated(self.o_norm.weight), self.config.norm_eps, "sigmoid")
+        return F.linear(o.reshape(1, T, c.value_dim), self.o_proj.weight)

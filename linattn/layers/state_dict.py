@@ -1,0 +1,180 @@
+"""Weight layouts: Hugging Face parameter names and shapes per family, and how TP splits each one.
+
+The replicated layer's state dict uses the HF checkpoint's names and shapes, so a checkpoint's
+layer dict loads as is. TP gives rank i the i-th contiguous group of key heads, with their value
+heads; every tensor is split one of four ways:
+
+    rows        dim 0 in tp_size contiguous pieces (column-parallel weights, per-head vectors)
+    cols        dim 1 in tp_size contiguous pieces (row-parallel output projection)
+    row_blocks  dim 0 is a concatenation of blocks ([q | k | v]); each block splits by rows
+    replicated  every rank holds the whole tensor (norm weight, KDA's f_a_proj / g_a_proj)
+
+Layouts (HF order; H key heads, HV value heads, r = HV / H, dk / dv head dims):
+
+    qwen3_next  in_proj_qkvz [H x (q dk, k dk, v r*dv, z r*dv), hidden]  rows: grouped per key head
+                in_proj_ba   [H x (b r, a r), hidden]                     rows: grouped per key head
+                conv1d       [q H*dk | k H*dk | v HV*dv, 1, W]            row_blocks (HF concatenates
+                             q, k, v after ungrouping, so the conv channels are block-major)
+    qwen3_5     in_proj_qkv  [q H*dk | k H*dk | v HV*dv, hidden]          row_blocks (feeds the conv as is)
+                in_proj_z [HV*dv, hidden], in_proj_b / in_proj_a [HV, hidden]   rows
+    both GDN    A_log, dt_bias [HV] rows; norm.weight [dv] replicated; out_proj [hidden, HV*dv] cols
+    kda         q_proj, k_proj [H*dk, hidden], v_proj [HV*dv, hidden]      rows
+                q_conv1d, k_conv1d [H*dk, 1, W], v_conv1d [HV*dv, 1, W]    rows
+                f_a_proj [dv, hidden] replicated; f_b_proj [HV*dk, dv] rows; dt_bias [HV*dk] rows
+                A_log [HV] rows; b_proj [HV, hidden] rows
+                g_proj [HV*dv, hidden] rows, or g_a_proj [rank, hidden] replicated + g_b_proj
+                [HV*dv, rank] rows; o_norm.weight [dv] replicated; o_proj [hidden, HV*dv] cols
+
+Checkpoints that store A_log as [1, 1, HV, 1] or [HV, 1] (Kimi Linear) or dt_bias as [HV, dk]
+are reshaped to the flat layout on load (same elements, same order).
+
+The same functions shard and unshard gradient dicts (same keys and shapes as the parameters).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .config import LinearAttentionConfig
+
+__all__ = [
+    "ParameterLayout",
+    "parameter_layouts",
+    "canonical_tensor",
+    "shard_state_dict",
+    "unshard_state_dict",
+]
+
+SPLITS = ("rows", "cols", "row_blocks", "replicated")
+# per-head vectors some checkpoints store with extra unit dims or 2-D; reshaped to flat on load
+FLATTENABLE = ("A_log", "dt_bias")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParameterLayout:
+    shape: tuple[int, ...]
+    split: str
+    blocks: tuple[int, ...] = ()  # row_blocks only: block sizes along dim 0
+
+
+def parameter_layouts(config: LinearAttentionConfig) -> dict[str, ParameterLayout]:
+    """Name -> (shape, split) of every parameter of the replicated layer, in registration order."""
+    c = config
+    hidden, kd, vd, hv, W = c.hidden_size, c.key_dim, c.value_dim, c.num_v_heads, c.conv_size
+    qkv_blocks = (kd, kd, vd)
+    L = ParameterLayout
+    if c.family == "qwen3_next":
+        layouts = {
+            "in_proj_qkvz.weight": L((2 * kd + 2 * vd, hidden), "rows"),
+            "in_proj_ba.weight": L((2 * hv, hidden), "rows"),
+        }
+    elif c.family == "qwen3_5":
+        layouts = {
+            "in_proj_qkv.weight": L((c.conv_dim, hidden), "row_blocks", qkv_blocks),
+            "in_proj_z.weight": L((vd, hidden), "rows"),
+            "in_proj_b.weight": L((hv, hidden), "rows"),
+            "in_proj_a.weight": L((hv, hidden), "rows"),
+        }
+    if c.family in ("qwen3_next", "qwen3_5"):
+        layouts.update({
+            "conv1d.weight": L((c.conv_dim, 1, W), "row_blocks", qkv_blocks),
+            "dt_bias": L((hv,), "rows"),
+            "A_log": L((hv,), "rows"),
+            "norm.weight": L((c.head_v_dim,), "replicated"),
+            "out_proj.weight": L((hidden, vd), "cols"),
+        })
+        return layouts
+    layouts = {
+        "q_proj.weight": L((kd, hidden), "rows"),
+        "k_proj.weight": L((kd, hidden), "rows"),
+        "v_proj.weight": L((vd, hidden), "rows"),
+        "q_conv1d.weight": L((kd, 1, W), "rows"),
+        "k_conv1d.weight": L((kd, 1, W), "rows"),
+        "v_conv1d.weight": L((vd, 1, W), "rows"),
+        "f_a_proj.weight": L((c.head_v_dim, hidden), "replicated"),
+        "f_b_proj.weight": L((hv * c.head_k_dim, c.head_v_dim), "rows"),
+        "dt_bias": L((hv * c.head_k_dim,), "rows"),
+        "A_log": L((hv,), "rows"),
+        "b_proj.weight": L((hv, hidden), "rows"),
+    }
+    if c.output_gate_rank is None:
+        layouts["g_proj.weight"] = L((vd, hidden), "rows")
+    else:
+        layouts["g_a_proj.weight"] = L((c.output_gate_rank, hidden), "replicated")
+        layouts["g_b_proj.weight"] = L((vd, c.output_gate_rank), "rows")
+    layouts["o_norm.weight"] = L((c.head_v_dim,), "replicated")
+    layouts["o_proj.weight"] = L((hidden, vd), "cols")
+    return layouts
+
+
+def canonical_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    """`tensor` in the layer's shape for `name`: flattens A_log / dt_bias stored with other shapes."""
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) == tuple(shape):
+        return tensor
+    if name in FLATTENABLE and tensor.numel() == torch.Size(shape).numel():
+        return tensor.reshape(shape)
+    raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(tensor.shape)}")
+
+
+def _check_keys(state_dict, layouts, what: str) -> None:
+    if not isinstance(state_dict, dict) and not hasattr(state_dict, "keys"):
+        raise ValueError(f"{what} must be a dict of tensors, got {type(state_dict).__name__}")
+    missing = [k for k in layouts if k not in state_dict]
+    unexpected = [k for k in state_dict if k not in layouts]
+    if missing or unexpected:
+        raise ValueError(f"{what} keys must match the layer's parameters: missing {missing}, unexpected {unexpected}")
+
+
+def shard_state_dict(state_dict, config: LinearAttentionConfig, tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
+    """The TP rank's shard of a replicated-layer state dict (or gradient dict), HF names kept."""
+    config.check_tensor_parallel_size(tp_size)
+    if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
+    layouts = parameter_layouts(config)
+    _check_keys(state_dict, layouts, "state_dict")
+    shard = {}
+    for name, layout in layouts.items():
+        full = canonical_tensor(name, state_dict[name], layout.shape)
+        if layout.split == "replicated":
+            piece = full
+        elif layout.split == "rows":
+            piece = full.chunk(tp_size, dim=0)[tp_rank]
+        elif layout.split == "cols":
+            piece = full.chunk(tp_size, dim=1)[tp_rank]
+        else:  # row_blocks: this rank's rows of every block, blocks kept in order
+            piece = torch.cat([b.chunk(tp_size, dim=0)[tp_rank] for b in full.split(layout.blocks, dim=0)], dim=0)
+        shard[name] = piece.contiguous()
+    return shard
+
+
+def unshard_state_dict(shards, config: LinearAttentionConfig) -> dict[str, torch.Tensor]:
+    """Inverse of shard_state_dict: the replicated-layer dict from the shards in TP rank order.
+
+    Replicated entries are taken from rank 0 (after the layer's TP all-reduce of their gradients
+    every rank holds the same sum).
+    """
+    if isinstance(shards, dict) or not len(shards):
+        raise ValueError("shards must be a non-empty sequence of per-rank dicts in TP rank order")
+    tp_size = len(shards)
+    local = config.local(tp_size)
+    layouts, local_layouts = parameter_layouts(config), parameter_layouts(local)
+    for rank, shard in enumerate(shards):
+        _check_keys(shard, layouts, f"shards[{rank}]")
+    full = {}
+    for name, layout in layouts.items():
+        pieces = [canonical_tensor(name, shard[name], local_layouts[name].shape) for shard in shards]
+        if layout.split == "replicated":
+            full[name] = pieces[0]
+        elif layout.split == "rows":
+            full[name] = torch.cat(pieces, dim=0)
+        elif layout.split == "cols":
+            full[name] = torch.cat(pieces, dim=1)
+        else:
+            local_blocks = local_layouts[name].blocks
+            per_block = zip(*(p.split(local_blocks, dim=0) for p in pieces))
+            full[name] = torch.cat([torch.cat(blocks, dim=0) for blocks in per_block], dim=0)
+    return full
