@@ -18,6 +18,9 @@ parallel pytest processes (``pytest -n N``) never collide on a port.
 on every call (pytest's prepend/append import modes edit it during collection) and can load a
 module from its file when it is not importable by name (``--import-mode=importlib``).
 
+``assert_parity`` records made on a rank travel back with its reply and join the parent's
+``parity.RECORDS`` (tensor named ``rank<r>:<name>``), so they appear in the run's summary.
+
 Launcher mode (``run_in_launcher``): when the caller itself runs under torchrun, fn runs on the
 existing process group and every rank gets every rank's return value.
 """
@@ -221,7 +224,22 @@ def _sync_sys_path(paths: list[str]) -> None:
         sys.path[:] = paths
 
 
+def _take_parity_records() -> list:
+    # assert_parity called on a rank records there; the parent adds them to its own summary.
+    parity = sys.modules.get("pytest_linattn.parity")
+    if parity is None or not parity.RECORDS:
+        return []
+    records = list(parity.RECORDS)
+    parity.RECORDS.clear()
+    return records
+
+
 def _run_task(msg: bytes) -> tuple:
+    status, value = _run_task_inner(msg)
+    return status, value, _take_parity_records()
+
+
+def _run_task_inner(msg: bytes) -> tuple:
     # BaseException: SystemExit too, a rank must always answer.
     try:
         sys_path, files, payload = pickle.loads(msg)
@@ -305,6 +323,20 @@ def _exit_story(code: int | None) -> str:
     return f"died with exit code {code}"
 
 
+def _forward_parity_records(records: dict[int, list]) -> None:
+    try:
+        from . import parity
+    except Exception:  # pragma: no cover - parity needs torch, which the ranks had
+        return
+    test = parity.current_test()
+    for rank in sorted(records):
+        for rec in records[rank]:
+            # The rank's own idea of the test is stale (its environment dates from its start).
+            rec["test"] = test
+            rec["tensor"] = f"rank{rank}:{rec.get('tensor', '?')}"
+            parity.RECORDS.append(rec)
+
+
 def _ranks(ranks) -> str:
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
@@ -347,7 +379,12 @@ class Pool:
         env = dict(extra_env)
         if self.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids or [])
-        elif "OMP_NUM_THREADS" not in os.environ:
+        if (self.device == "cpu" and "GLOO_SOCKET_IFNAME" not in os.environ
+                and os.path.exists("/sys/class/net/lo")):
+            # All ranks share this host: loopback always works, while the hostname may resolve
+            # to an address gloo cannot bind in a container.
+            env["GLOO_SOCKET_IFNAME"] = "lo"
+        if self.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             # N ranks on a shared CPU: one thread each unless told otherwise, to avoid thrashing.
             env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.world_size))
         ctx = multiprocessing.get_context("spawn")
@@ -451,6 +488,7 @@ class Pool:
         start = time.monotonic()
         deadline = start + timeout
         replies: dict[int, tuple] = {}
+        records: dict[int, list] = {}
         errors: dict[int, str] = {}
         deaths: dict[int, int | None] = {}
         failed_at = None
@@ -469,29 +507,34 @@ class Pool:
                     continue
                 conn = self.conns[r]
                 reply = None
+                eof = False
                 try:
                     if conn.poll():
                         reply = pickle.loads(conn.recv_bytes())
                 except (EOFError, OSError):
-                    reply = None
+                    eof = True
                 except Exception:
                     reply = ("error", "the parent could not unpickle this rank's return value:\n"
                              + traceback.format_exc())
                 if reply is None:
-                    if self.procs[r].is_alive():
+                    if self.procs[r].is_alive() and not eof:
                         continue  # spurious wakeup
-                    self.procs[r].join(1.0)
+                    self.procs[r].join(2.0)  # a closed pipe means the rank is going away
                     deaths[r] = self.procs[r].exitcode
                     pending.discard(r)
-                elif reply[0] == "error":
+                    continue
+                pending.discard(r)
+                if len(reply) > 2 and reply[2]:
+                    records[r] = reply[2]
+                if reply[0] == "error":
                     errors[r] = reply[1]
-                    pending.discard(r)
                 else:
                     replies[r] = reply
-                    pending.discard(r)
             if (errors or deaths) and failed_at is None:
                 failed_at = time.monotonic()
                 deadline = min(deadline, failed_at + FAILURE_GRACE)
+        if records:
+            _forward_parity_records(records)
         if not pending and not errors and not deaths:
             return [replies[r] for r in range(self.world_size)]
         self.broken = True

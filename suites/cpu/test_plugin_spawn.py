@@ -421,3 +421,27 @@ def test_gpu_leases_never_share(tmp_path):
     b.release()
     c.release()
     assert GpuLease(4, lock_dir=str(tmp_path), gpu_ids=ids).acquire(timeout=1) == ids
+
+
+def test_parity_records_made_on_ranks_reach_the_summary(pytester):
+    pytester.makepyfile(test_rank_parity=r'''
+import torch
+import torch.distributed as dist
+from pytest_linattn import assert_parity
+
+
+def compare():
+    x = torch.randn(4, 3, dtype=torch.float64)
+    y = x.clone()
+    if dist.get_rank() == 1:
+        y[2, 1] += 1.0
+    assert_parity(y, x, rtol=1e-10, name="h")
+
+
+def test_on_ranks(spawn):
+    spawn(compare, 2)
+''')
+    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*rank 1 failed*", "*2 check(s), 1 failed*",
+                                 "*test_rank_parity.py::test_on_ranks*rank1:h*FAIL*"])
