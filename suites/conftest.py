@@ -7,6 +7,7 @@ defaults for options the user did not set.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +18,11 @@ _HEADER = pytest.StashKey[tuple]()
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = load_suites(ROOT)
 
+# Helpers shared by the tests of several suites (layer_parity.py) live here: importable by name
+# under any --import-mode (prepend puts this folder on sys.path by itself, importlib does not).
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
 
 def _user_flags(config) -> set[str]:
     # Everything that can carry an option: the command line, PYTEST_ADDOPTS and ini addopts.
@@ -24,10 +30,10 @@ def _user_flags(config) -> set[str]:
     tokens += split_addopts(os.environ.get("PYTEST_ADDOPTS", ""))
     tokens += list(config.getini("addopts"))
     flags = given_flags(tokens)
-    # An ini key named like the option (tp = 2 in [tool.pytest.ini_options]) counts as given too.
-    for flag, dest in OPTIONS.values():
+    # The option's ini key (linattn_tp = "2" in [tool.pytest.ini_options]) counts as given too.
+    for key, (flag, _dest) in OPTIONS.items():
         try:
-            if config.getini(dest):
+            if config.getini(f"linattn_{key}"):
                 flags.add(flag)
         except ValueError:
             pass  # no such ini key registered

@@ -1,11 +1,16 @@
 """Head-sharded linear-attention layers: Gated DeltaNet (Qwen3-Next, Qwen3.5) and Kimi delta
-attention, with HF parameter names, tensor and sequence parallelism.
+attention, with HF parameter names, tensor, sequence and context parallelism.
 
     config = LinearAttentionConfig("qwen3_next", hidden_size=..., num_k_heads=..., num_v_heads=...,
                                    head_k_dim=..., head_v_dim=...)
-    layer = build_layer(config, tp_group=tp_group, sequence_parallel=True)
+    tp_group, cp_group = new_groups(tp_size, cp_size)          # linattn.parallel
+    layer = build_layer(config, tp_group=tp_group, cp_group=cp_group, cp_layout="zigzag",
+                        sequence_parallel=True)
     layer.load_state_dict(shard_state_dict(full_state_dict, config, tp_rank, tp_size))
-    y = layer(hidden_states, cu_seqlens)
+    y = layer(hidden_states, cu_seqlens)   # this rank's tokens; cu_seqlens global
+
+Under CP, parameter gradients are per-rank partial sums: reduce them over the data x context
+parallel ranks, as for any token split (see build_layer).
 """
 
 from .base import HeadShardedLinearAttention, gated_rms_norm

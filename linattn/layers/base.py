@@ -1,19 +1,27 @@
 """What every head-sharded linear-attention layer shares: parameters from the layout table,
-input checks, the TP/SP region around the token mixer, and the two kernel call sites.
+input checks, the TP/SP region around the token mixer, context parallelism around the token
+mixer, and the two kernel call sites.
 
-Forward of every family, on one TP rank holding 1/tp of the heads:
+Forward of every family, on one (TP rank, CP rank) holding 1/tp of the heads and 1/cp of the tokens:
 
     x = enter(hidden_states)         SP: all-gather tokens    | else: copy (bwd all-reduce of dx)
+                                     -> this CP rank's tokens, in the CP layout
+    x = to_contiguous(x)             zigzag only: all-to-all over CP into the contiguous layout
     y = family mixer on local heads  column-parallel in, per-head conv + recurrence + gated norm,
-                                     row-parallel out (partial sums over the TP ranks)
+                                     row-parallel out (partial sums over the TP ranks); conv halo
+                                     and recurrent state cross CP ranks (linattn.parallel.cp)
+    y = from_contiguous(y)           zigzag only: the inverse all-to-all
     return exit(y)                   SP: reduce-scatter tokens | else: all-reduce
 
 Replicated weights (norm weight, KDA's f_a_proj and g_a_proj) pass through
 copy_to_tensor_parallel_region where they are used, so their gradient is summed over TP
-inside backward, like the input's.
+inside backward, like the input's. Over CP nothing is summed: every parameter gradient is this
+rank's partial sum over its tokens, completed by the training loop's gradient all-reduce over
+the data x context parallel ranks (Megatron-LM's usual reduction).
 
-Context parallelism slots in at exactly two methods: `_short_conv` (every short convolution of
-a family goes through one call) and `_delta_rule` (the recurrence).
+Context parallelism acts at exactly two methods: `_short_conv` (every short convolution of a
+family goes through one call) and `_delta_rule` (the recurrence). Both get the CP context of the
+contiguous piece, or None without CP.
 """
 
 from __future__ import annotations
@@ -21,10 +29,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from linattn import kernels
+from linattn.parallel import cp
 from linattn.parallel.groups import group_rank, group_size
 from linattn.parallel.mappings import (
     copy_to_tensor_parallel_region,
@@ -63,7 +73,8 @@ class HeadShardedLinearAttention(nn.Module):
     `config` is the replicated layer's; this module holds the TP rank's shard, whose sizes are
     `local_config` (1/tp of the key and value heads). Parameter names and shapes are those of
     `parameter_layouts(local_config)`: the HF names, so with tp_group=None a checkpoint's layer
-    state dict loads directly, and `shard_state_dict` gives each TP rank its piece.
+    state dict loads directly, and `shard_state_dict` gives each TP rank its piece. Under CP every
+    CP rank holds the same parameters (CP splits tokens, not weights).
     """
 
     def __init__(
@@ -71,6 +82,8 @@ class HeadShardedLinearAttention(nn.Module):
         config: LinearAttentionConfig,
         *,
         tp_group=None,
+        cp_group=None,
+        cp_layout: str = "contiguous",
         sequence_parallel: bool = False,
         dtype: torch.dtype = torch.float32,
         device="cpu",
@@ -78,6 +91,8 @@ class HeadShardedLinearAttention(nn.Module):
         super().__init__()
         if not isinstance(config, LinearAttentionConfig):
             raise ValueError(f"config must be a LinearAttentionConfig, got {type(config).__name__}")
+        if cp_layout not in cp.LAYOUTS:
+            raise ValueError(f"cp_layout must be one of {cp.LAYOUTS}, got {cp_layout!r}")
         self.config = config
         self.tp_group = tp_group
         self.tp_size = group_size(tp_group)
@@ -85,6 +100,11 @@ class HeadShardedLinearAttention(nn.Module):
         self.local_config = config.local(self.tp_size)  # raises unless tp_size divides num_k_heads
         # SP is a TP variant: with one rank there is nothing to split
         self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
+        self.cp_group = cp_group
+        self.cp_size = group_size(cp_group)
+        self.cp_rank = group_rank(cp_group)
+        self.cp_layout = cp_layout
+        _check_group_grid(tp_group, cp_group)
         for name, layout in parameter_layouts(self.local_config).items():
             owner = self
             *prefixes, leaf = name.split(".")
@@ -126,15 +146,26 @@ class HeadShardedLinearAttention(nn.Module):
     # ---- forward ----
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """hidden_states `[1, T_local, hidden]` (T_local = T / tp under SP, else T); cu_seqlens: the
-        global packed-sequence boundaries `[N + 1]` (int32). Returns `[1, T_local, hidden]`."""
-        self._check_inputs(hidden_states, cu_seqlens)
-        cu_seqlens = cu_seqlens.to(device=hidden_states.device)
+        """hidden_states `[1, T_local, hidden]`: this CP rank's T / cp tokens in the CP layout,
+        under SP split again into tp contiguous slices of T / (cp * tp) tokens (T_local = T without
+        CP and SP); cu_seqlens: the GLOBAL packed-sequence boundaries `[N + 1]` (int32), the same on
+        every rank. Returns `[1, T_local, hidden]`, the same tokens."""
+        contexts = self._check_inputs(hidden_states, cu_seqlens)
         x = self._enter_tensor_parallel_region(hidden_states)
-        y = self._mix_tokens(x, cu_seqlens)
+        if contexts is None:
+            y = self._mix_tokens(x, cu_seqlens.to(device=hidden_states.device), None)
+        else:
+            # ops run on the contiguous piece; zigzag moves the tokens there once per layer (one
+            # all-to-all of the hidden states each way) rather than once per op
+            layout_ctx, piece_ctx = contexts
+            x = layout_ctx.to_contiguous(x)
+            y = self._mix_tokens(x, piece_ctx.local_cu_seqlens_on(x.device), piece_ctx)
+            y = layout_ctx.from_contiguous(y)
         return self._exit_tensor_parallel_region(y)
 
-    def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> None:
+    def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor):
+        """ValueError naming the rule a bad input breaks, before any collective. Under CP returns
+        the CP contexts (of the layout, of the contiguous piece), else None."""
         hidden = self.config.hidden_size
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be a [1, T, hidden] tensor, got {getattr(hidden_states, 'shape', hidden_states)!r}")
@@ -143,21 +174,34 @@ class HeadShardedLinearAttention(nn.Module):
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be a 1-D tensor of at least 2 boundaries, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
         total = int(cu_seqlens[-1])
+        validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
         local_tokens = hidden_states.shape[1]
+        contexts = None
+        if self.cp_size > 1:
+            # cp.build_context checks the CP divisibility rules (T by cp, zigzag: T and every
+            # sequence length by 2 * cp); it only reads the group's size and rank
+            layout_ctx = cp.build_context(cu_seqlens, total, self.cp_group, self.cp_layout)
+            piece_ctx = layout_ctx if self.cp_layout == "contiguous" else \
+                cp.build_context(cu_seqlens, total, self.cp_group, "contiguous")
+            contexts = (layout_ctx, piece_ctx)
+        cp_tokens = total // self.cp_size  # this CP rank's tokens
         if self.sequence_parallel:
-            if total % self.tp_size != 0:
+            if cp_tokens % self.tp_size != 0:
+                what = "the total token count" if self.cp_size == 1 else "each CP rank's token count cu_seqlens[-1] / cp_size"
                 raise ValueError(
-                    f"sequence parallel needs the total token count divisible by the TP size: "
-                    f"cu_seqlens[-1]={total}, tp_size={self.tp_size}"
+                    f"sequence parallel needs {what} divisible by the TP size: "
+                    f"cu_seqlens[-1]={total}, cp_size={self.cp_size}, tp_size={self.tp_size}"
                 )
-            if local_tokens * self.tp_size != total:
+            if local_tokens * self.tp_size != cp_tokens:
+                divisor = "tp_size" if self.cp_size == 1 else "(cp_size * tp_size)"
                 raise ValueError(
-                    f"hidden_states must hold cu_seqlens[-1] / tp_size = {total // self.tp_size} tokens under "
+                    f"hidden_states must hold cu_seqlens[-1] / {divisor} = {cp_tokens // self.tp_size} tokens under "
                     f"sequence parallel, got {local_tokens}"
                 )
-        elif local_tokens != total:
-            raise ValueError(f"hidden_states must hold cu_seqlens[-1] = {total} tokens, got {local_tokens}")
-        validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+        elif local_tokens != cp_tokens:
+            what = "cu_seqlens[-1]" if self.cp_size == 1 else "cu_seqlens[-1] / cp_size"
+            raise ValueError(f"hidden_states must hold {what} = {cp_tokens} tokens, got {local_tokens}")
+        return contexts
 
     def _enter_tensor_parallel_region(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -173,20 +217,53 @@ class HeadShardedLinearAttention(nn.Module):
         """A weight every TP rank holds whole: its gradient is summed over TP in backward."""
         return copy_to_tensor_parallel_region(weight, self.tp_group)
 
-    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Family-specific: `[1, T, hidden]` (all tokens) -> this rank's partial `[1, T, hidden]`."""
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
+        """Family-specific: `[1, T, hidden]` -> this rank's partial `[1, T, hidden]`, over the tokens
+        this rank works on (all of them, or under CP the contiguous piece of `cp_context`);
+        cu_seqlens: those tokens' boundaries. Pass both on to `_short_conv` and `_delta_rule`."""
         raise NotImplementedError
 
-    # ---- the two kernel call sites (context parallelism replaces these) ----
+    # ---- the two kernel call sites (the only places tokens of other CP ranks matter) ----
 
-    def _short_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over packed `[1, T, D]` channels, weight `[D, W]`."""
+    def _short_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, cp_context=None) -> torch.Tensor:
+        """Causal depthwise conv + SiLU over packed `[1, T, D]` channels, weight `[D, W]`; under CP
+        each sequence's W-1 earlier tokens come from the ranks that hold them."""
+        if cp_context is not None:
+            return cp.short_conv(x, weight, None, "silu", cp_context)
         return kernels.short_conv(x, weight, cu_seqlens=cu_seqlens, activation="silu")
 
-    def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, cp_context=None) -> torch.Tensor:
         """The recurrence on this rank's heads: q, k `[1, T, H, dk]`, v `[1, T, HV, dv]`, g `[1, T, HV]`
         (gdn) or `[1, T, HV, dk]` (kda), beta `[1, T, HV]`; returns o `[1, T, HV, dv]`.
-        q and k are L2-normalised inside the kernel, scale = dk ** -0.5 (HF, fla)."""
+        q and k are L2-normalised inside the kernel, scale = dk ** -0.5 (HF, fla). Under CP the
+        state of a sequence crossing a rank boundary is carried over (forward and backward)."""
+        scale = self.config.head_k_dim ** -0.5
+        if cp_context is not None:
+            return cp.delta_rule(self.config.op, q, k, v, g, beta, scale, True, cp_context)
         op = kernels.kda if self.config.op == "kda" else kernels.gated_delta_rule
-        out = op(q, k, v, g, beta, scale=self.config.head_k_dim ** -0.5, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
+        out = op(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
         return out[0] if isinstance(out, tuple) else out
+
+
+def _check_group_grid(tp_group, cp_group) -> None:
+    """TP and CP groups must be one [.., CP, TP] grid over the world (Megatron order, as
+    linattn.parallel.new_groups makes them): sizes that tile the world, crossing in this rank only."""
+    tp_size, cp_size = group_size(tp_group), group_size(cp_group)
+    for name, group in (("tp_group", tp_group), ("cp_group", cp_group)):
+        if group is not None and group_rank(group) < 0:
+            raise ValueError(f"{name} must contain this rank (rank {dist.get_rank()})")
+    if tp_size == 1 and cp_size == 1:
+        return
+    world = dist.get_world_size()
+    if world % (tp_size * cp_size) != 0:
+        raise ValueError(
+            f"tp_size * cp_size must tile the world: {tp_size} * {cp_size} = {tp_size * cp_size} "
+            f"does not divide world_size {world}"
+        )
+    if tp_size > 1 and cp_size > 1:
+        shared = set(dist.get_process_group_ranks(tp_group)) & set(dist.get_process_group_ranks(cp_group))
+        if shared != {dist.get_rank()}:
+            raise ValueError(
+                f"the TP and CP groups must tile the world as a grid, crossing in this rank only "
+                f"(rank {dist.get_rank()}); they share ranks {sorted(shared)}"
+            )

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import torch
 
-from linattn.parallel.groups import group_size
-
 from .config import LinearAttentionConfig
 from .gated_deltanet import GatedDeltaNet
 from .kimi_delta_attention import KimiDeltaAttention
@@ -20,23 +18,47 @@ def build_layer(
     *,
     tp_group=None,
     cp_group=None,
+    cp_layout: str = "contiguous",
     sequence_parallel: bool = False,
     dtype: torch.dtype = torch.float32,
     device="cpu",
 ):
     """The layer of `config.family`, holding this rank's TP shard of the heads.
 
-    tp_group: heads split over it (None: replicated layer). sequence_parallel: with TP > 1, the
-    layer takes and returns this rank's contiguous 1/tp of the tokens. cp_group: reserved for
-    context parallelism (None or a one-rank group for now). forward(hidden_states `[1, T_local,
-    hidden]`, cu_seqlens global int32) -> `[1, T_local, hidden]`.
+    tp_group: heads split over it (None: replicated layer); load each rank's weights with
+    `shard_state_dict(full, config, tp_rank, tp_size)`.
+
+    cp_group: context parallelism, the packed batch `[1, T, hidden]` split over its ranks (None:
+    no CP). Every CP rank holds the same weights. cp_layout says which tokens a CP rank holds
+    (`linattn.parallel.cp.cp_shard` gives them):
+      "contiguous"  rank r holds tokens [r*T/cp, (r+1)*T/cp) of the packed batch; T % cp == 0.
+      "zigzag"      per sequence (Megatron's THD / Transformer Engine layout): every sequence is
+                    cut into 2*cp equal chunks and rank r holds chunks r and 2*cp-1-r of each, in
+                    sequence order; every sequence length % (2*cp) == 0. The layer moves them to
+                    the contiguous layout and back with one all-to-all each way.
+    Short-conv halos and the recurrent state of sequences that cross a rank boundary are exchanged
+    exactly (linattn.parallel.cp: our exchange over gloo on CPU, fla's CP kernels on CUDA); a rank
+    piece may be shorter than the conv width.
+
+    sequence_parallel: with TP > 1 the layer takes and returns a contiguous 1/tp slice of this
+    rank's tokens: first the CP shard, then split again over TP (rank tp_rank holds slice tp_rank
+    of the CP shard, in the CP layout's local order).
+
+    TP x CP: the groups must form one grid over the world (`linattn.parallel.new_groups(tp, cp)`,
+    Megatron order: TP fastest).
+
+    Gradients: replicated weights (norm weights, KDA's f_a_proj / g_a_proj) get their gradient
+    summed over TP inside the layer. Nothing is summed over CP: every parameter gradient is this
+    rank's partial sum over its tokens, as Megatron-style training expects; its gradient
+    all-reduce over the data x context parallel ranks completes it.
+
+    forward(hidden_states `[1, T_local, hidden]`, cu_seqlens GLOBAL int32 `[N + 1]`) ->
+    `[1, T_local, hidden]`, T_local = T / cp (/ tp under SP). Raises ValueError when T (or a
+    sequence length, zigzag) does not divide as the layout needs, or the groups do not tile the world.
     """
     if not isinstance(config, LinearAttentionConfig):
         raise ValueError(f"config must be a LinearAttentionConfig, got {type(config).__name__}")
-    if group_size(cp_group) > 1:
-        raise ValueError(
-            f"context parallelism is not yet supported by build_layer: cp_group has {group_size(cp_group)} ranks"
-        )
     return LAYER_CLASSES[config.family](
-        config, tp_group=tp_group, sequence_parallel=sequence_parallel, dtype=dtype, device=device
+        config, tp_group=tp_group, cp_group=cp_group, cp_layout=cp_layout,
+        sequence_parallel=sequence_parallel, dtype=dtype, device=device,
     )

@@ -42,11 +42,11 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         z = F.linear(x, self.in_proj_z.weight).view(1, T, HV, dv)
         return qkv, z, F.linear(x, self.in_proj_b.weight), F.linear(x, self.in_proj_a.weight)
 
-    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
         c = self.local_config
         T = x.shape[1]
         qkv, z, b, a = self._project_inputs(x)
-        qkv = self._short_conv(qkv, self.conv1d.weight.squeeze(1), cu_seqlens)
+        qkv = self._short_conv(qkv, self.conv1d.weight.squeeze(1), cu_seqlens, cp_context)
         q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = q.reshape(1, T, c.num_k_heads, c.head_k_dim)
         k = k.reshape(1, T, c.num_k_heads, c.head_k_dim)
@@ -55,6 +55,6 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         # the decay in at least float32 (HF: "if the model is loaded in fp16, A might be -inf")
         gate_dtype = torch.promote_types(x.dtype, torch.float32)
         g = -self.A_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + self.dt_bias.to(gate_dtype))
-        o = self._delta_rule(q, k, v, g, beta, cu_seqlens)
+        o = self._delta_rule(q, k, v, g, beta, cu_seqlens, cp_context)
         o = gated_rms_norm(o, z, self._replicated(self.norm.weight), self.config.norm_eps, "silu")
         return F.linear(o.reshape(1, T, c.value_dim), self.out_proj.weight)

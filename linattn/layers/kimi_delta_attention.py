@@ -29,14 +29,14 @@ __all__ = ["KimiDeltaAttention"]
 class KimiDeltaAttention(HeadShardedLinearAttention):
     """Family 'kda'."""
 
-    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
         c = self.local_config
         T = x.shape[1]
         HV, dk, dv = c.num_v_heads, c.head_k_dim, c.head_v_dim
         qkv = torch.cat([F.linear(x, self.q_proj.weight), F.linear(x, self.k_proj.weight),
                          F.linear(x, self.v_proj.weight)], dim=-1)
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
-        qkv = self._short_conv(qkv, conv_weight, cu_seqlens)
+        qkv = self._short_conv(qkv, conv_weight, cu_seqlens, cp_context)
         q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
         q = q.reshape(1, T, c.num_k_heads, dk)
         k = k.reshape(1, T, c.num_k_heads, dk)
@@ -53,7 +53,7 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
             g = self.config.gate_lower_bound * torch.sigmoid(decay_rate * f)
         beta = torch.sigmoid(F.linear(x, self.b_proj.weight))
 
-        o = self._delta_rule(q, k, v, g, beta, cu_seqlens)
+        o = self._delta_rule(q, k, v, g, beta, cu_seqlens, cp_context)
 
         if self.config.output_gate_rank is None:
             gate = F.linear(x, self.g_proj.weight)

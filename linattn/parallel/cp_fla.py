@@ -50,11 +50,28 @@ def short_conv(x, weight, bias, activation, ctx):
 
 
 def delta_rule(op: str, q, k, v, g, beta, scale, use_qk_l2norm, ctx):
-    """fla's chunk kernel with its CP context on the contiguous piece."""
+    """fla's chunk kernel with its CP context on the contiguous piece.
+
+    The gated delta rule takes the route `linattn.selection.gdn_route()` picks, as the
+    single-GPU entry does: where fla refuses its backward (Hopper, Triton in [3.4.0, 3.7.1)) it
+    runs as chunk_kda with the gate broadcast over the key channels."""
+    from linattn import selection
+
     fctx = fla_context(ctx, device=q.device)
+    if op == "gated_delta_rule" and selection.gdn_route() == "kda":
+        from linattn.kernels._delta_rules import gdn_as_kda_inputs
+
+        q, k, g = gdn_as_kda_inputs(q, k, v, g)
+        op = "kda"
     if op == "gated_delta_rule":
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+        o, _ = chunk_gated_delta_rule(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                                      cp_context=fctx)
     else:
-        from fla.ops.kda import chunk_kda as fn
-    o, _ = fn(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm, cp_context=fctx)
-    return o
+        from fla.ops.kda import chunk_kda
+
+        selection.kda_tilelang_setting()  # FLA_TILELANG must be in force before fla dispatches
+        o, _ = chunk_kda(q, k, v, g, beta, scale=scale, use_qk_l2norm_in_kernel=use_qk_l2norm,
+                         use_gate_in_kernel=False, cp_context=fctx)
+    return o.to(q.dtype)

@@ -7,8 +7,6 @@ rounded values, so what is left is the bf16 computation's error. Packed sequence
 single token, one crossing fla's 64-token chunks.
 """
 
-import math
-
 import pytest
 import torch
 
@@ -16,7 +14,8 @@ if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
 
-from linattn.layers import LinearAttentionConfig, build_layer, parameter_layouts  # noqa: E402
+from layer_parity import gpu_config, random_state_dict, run_layer  # noqa: E402
+from linattn.layers import build_layer  # noqa: E402
 from pytest_linattn.parity import assert_parity  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
@@ -33,44 +32,12 @@ CASES = {
 }
 
 
-def make_config(family, ratio, **extra):
-    return LinearAttentionConfig(family, hidden_size=256, num_k_heads=4, num_v_heads=4 * ratio,
-                                 head_k_dim=64, head_v_dim=128, conv_size=4, **extra)
-
-
-def random_state_dict(config, seed):
-    """float64 values that bf16 holds exactly (drawn, then rounded to bf16)."""
-    gen = torch.Generator().manual_seed(seed)
-    sd = {}
-    for name, layout in parameter_layouts(config).items():
-        t = torch.randn(layout.shape, generator=gen, dtype=torch.float64)
-        if name == "A_log":
-            t = torch.empty(layout.shape, dtype=torch.float64).uniform_(1.0, 16.0, generator=gen).log()
-        elif name == "dt_bias":
-            dt = torch.exp(torch.rand(layout.shape, generator=gen, dtype=torch.float64)
-                           * (math.log(0.1) - math.log(1e-3)) + math.log(1e-3))
-            t = dt + torch.log(-torch.expm1(-dt))  # softplus^-1(dt), fla's init
-        elif name.endswith("norm.weight"):
-            t = 1.0 + 0.2 * t
-        else:
-            t = t / math.sqrt(layout.shape[-1])
-        sd[name] = t.to(DTYPE).double()
-    return sd
-
-
-def run_layer(layer, x, dy, cu_seqlens):
-    x = x.clone().requires_grad_()
-    y = layer(x, cu_seqlens)
-    (y * dy).sum().backward()
-    return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
-
-
 @pytest.mark.parametrize("case", list(CASES))
 def test_bf16_layer_matches_float64(case):
     family, ratio, extra = CASES[case]
-    config = make_config(family, ratio, **extra)
+    config = gpu_config(family, ratio, **extra)
     seed = 2026 + list(CASES).index(case)
-    sd = random_state_dict(config, seed)
+    sd = random_state_dict(config, seed, fla_init=True, round_to=DTYPE)
     gen = torch.Generator().manual_seed(seed + 1)
     cu = torch.tensor(CU_SEQLENS, dtype=torch.int32)
     T = CU_SEQLENS[-1]

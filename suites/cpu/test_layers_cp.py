@@ -1,0 +1,148 @@
+"""Context-parallel layers (gloo, CPU) against the replicated layer on the same weights.
+
+Each family, in one spawn call per (family, cp_size): CP = cp_size in the contiguous and the
+zigzag layout, in float64 (<= 1e-10) plus one float32 case (<= 1e-5); and TP x CP = 2 x 2 on four
+ranks, sequence parallel on and off. Compared: the output and the input gradient (put back
+together with cp_unshard) and every parameter gradient (summed over the CP group: the layer
+leaves them per-rank partial sums, for the training loop's data x context all-reduce).
+
+Packings (contiguous): a length-1 sequence, a boundary inside a shard, one exactly on a shard
+edge, a sequence over >= 3 ranks (cp 4), pieces of 2 tokens, shorter than the conv halo of
+W-1 = 3 (cp.py gathers the halo from several ranks: exact, so no rule forbids them), and one
+seeded packing from the plugin's packed_seqlens. Zigzag: every length divisible by 2*cp.
+"""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from layer_parity import FAMILIES, check_parallel_cases, make_case, make_config, run_parallel_cases
+from linattn.layers import build_layer
+from linattn.parallel import new_groups
+
+RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+# (layout, name, lengths, head ratio, dtype) per cp size
+CP_PACKINGS = {
+    2: [
+        ("contiguous", "edge+len1", [1, 7, 5, 3], 2, torch.float64),  # T=16, shard edge at 8
+        ("contiguous", "cross+inside", [3, 10, 1, 2], 3, torch.float64),  # 3..13 crosses the edge
+        ("contiguous", "tiny-pieces", [1, 3], 2, torch.float64),  # 2 tokens per rank < W-1
+        ("contiguous", "cross+inside", [3, 10, 1, 2], 2, torch.float32),
+        ("zigzag", "zz", [4, 12, 8], 3, torch.float64),
+    ],
+    4: [
+        ("contiguous", "span3+edge+len1", [1, 3, 20, 4, 4], 2, torch.float64),  # 4..24 over ranks 0-2, edge at 24
+        ("contiguous", "tiny-pieces", [1, 7], 3, torch.float64),  # 2 tokens per rank: halo from 2 ranks
+        ("contiguous", "span3+edge+len1", [1, 3, 20, 4, 4], 3, torch.float32),
+        ("zigzag", "zz", [8, 16, 8], 2, torch.float64),
+    ],
+}
+
+# TP x CP = 2 x 2: (layout, name, lengths, sp, dtype); T / cp divisible by tp for SP
+TP_CP_PACKINGS = [
+    ("contiguous", "edge+len1", [1, 4, 7, 9, 3], False, torch.float64),  # T=24, CP shard edge at 12
+    ("contiguous", "cross+len1", [5, 14, 1, 4], True, torch.float64),  # 5..19 crosses the CP edge
+    ("contiguous", "cross+len1", [5, 14, 1, 4], False, torch.float64),
+    ("zigzag", "zz", [4, 12, 8], True, torch.float64),
+    ("zigzag", "zz", [4, 12, 8], False, torch.float64),
+    ("contiguous", "cross+len1", [5, 14, 1, 4], True, torch.float32),
+]
+
+
+def _cu(lengths):
+    return torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+
+
+def _seed(family, *rest):
+    return 1000 * (FAMILIES.index(family) + 1) + sum(10 ** i * r for i, r in enumerate(rest))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cp_layer_matches_replicated(spawn, cp_size, packed_seqlens, family):
+    cases = []
+    for i, (layout, name, lengths, ratio, dtype) in enumerate(CP_PACKINGS[cp_size]):
+        cases.append(make_case(make_config(family, ratio), _cu(lengths), seed=_seed(family, i, cp_size),
+                               cp=cp_size, layout=layout, dtype=dtype, name=name))
+    for j, layout in enumerate(("contiguous", "zigzag")):  # one seeded random packing per layout
+        cu = packed_seqlens(8 * cp_size, cp_size=cp_size, layout=layout, seed=cp_size + j)
+        cases.append(make_case(make_config(family, 2 + j), cu, seed=_seed(family, 7 + j, cp_size),
+                               cp=cp_size, layout=layout, name="random"))
+    per_rank = spawn(run_parallel_cases, cp_size, cases)
+    check_parallel_cases(cases, per_rank, rtol=RTOL)
+
+
+@pytest.mark.tp_sizes(2)
+@pytest.mark.cp_sizes(2)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tp_cp_layer_matches_replicated(spawn, tp_size, cp_size, family):
+    cases = []
+    for i, (layout, name, lengths, sp, dtype) in enumerate(TP_CP_PACKINGS):
+        cases.append(make_case(make_config(family, 2 + i % 2), _cu(lengths), seed=_seed(family, i, 5),
+                               tp=tp_size, cp=cp_size, layout=layout, sp=sp, dtype=dtype, name=name))
+    per_rank = spawn(run_parallel_cases, tp_size * cp_size, cases)
+    check_parallel_cases(cases, per_rank, rtol=RTOL)
+
+
+# ---- rules ------------------------------------------------------------------------------------
+
+
+def _error_of(fn):
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def run_cp_rules():
+    """On 4 ranks: every rule a CP layer enforces, each before any collective."""
+    rank = dist.get_rank()
+    config = make_config("qwen3_5", 2)
+    hidden = config.hidden_size
+    errors = {}
+
+    def forward(layer, local_tokens, lengths):
+        x = torch.randn(1, local_tokens, hidden, dtype=torch.float64)
+        return lambda: layer(x, _cu(lengths))
+
+    _, cp_group = new_groups(1, 2)
+    contiguous = build_layer(config, cp_group=cp_group, dtype=torch.float64)
+    zigzag = build_layer(config, cp_group=cp_group, cp_layout="zigzag", dtype=torch.float64)
+    errors["cp_divisible"] = _error_of(forward(contiguous, 2, [2, 3]))
+    errors["zigzag_divisible"] = _error_of(forward(zigzag, 3, [4, 2]))
+    errors["zigzag_lengths"] = _error_of(forward(zigzag, 4, [2, 6]))
+    errors["cp_tokens"] = _error_of(forward(contiguous, 3, [4, 4]))
+    errors["layout"] = _error_of(lambda: build_layer(config, cp_group=cp_group, cp_layout="ring"))
+
+    tp_group, cp_group = new_groups(2, 2)
+    sp = build_layer(config, tp_group=tp_group, cp_group=cp_group, sequence_parallel=True, dtype=torch.float64)
+    errors["sp_divisible"] = _error_of(forward(sp, 2, [3, 3]))  # 3 tokens per CP rank, tp 2
+    errors["sp_tokens"] = _error_of(forward(sp, 3, [8, 8]))
+    # the same ranks for TP and CP: not a grid
+    errors["grid"] = _error_of(lambda: build_layer(config, tp_group=tp_group, cp_group=tp_group))
+    # a CP group of 3 ranks in a world of 4
+    three = dist.new_group([0, 1, 2])
+    errors["tile"] = _error_of(lambda: build_layer(config, cp_group=three)) if rank < 3 else "skipped"
+    return errors
+
+
+def test_cp_rules(spawn):
+    per_rank = spawn(run_cp_rules, 4)
+    rules = {
+        "cp_divisible": "contiguous CP needs total tokens divisible by cp_size: 5 % 2 != 0",
+        "zigzag_divisible": "zigzag CP needs total tokens divisible by 2\\*cp_size: 6 % 4 != 0",
+        "zigzag_lengths": "zigzag CP needs every sequence length divisible by 2\\*cp_size=4",
+        "cp_tokens": "hidden_states must hold cu_seqlens\\[-1\\] / cp_size = 4 tokens, got 3",
+        "layout": "cp_layout must be one of",
+        "sp_divisible": "sequence parallel needs each CP rank's token count .* divisible by the TP size",
+        "sp_tokens": "hidden_states must hold cu_seqlens\\[-1\\] / \\(cp_size \\* tp_size\\) = 4 tokens under sequence parallel, got 3",
+        "grid": "TP and CP groups must tile the world as a grid",
+        "tile": "tp_size \\* cp_size must tile the world|skipped",
+    }
+    for rank, errors in enumerate(per_rank):
+        for key, rule in rules.items():
+            assert errors[key] is not None, f"rank {rank} {key}: no ValueError"
+            assert re.search(rule, errors[key]), f"rank {rank} {key}: {errors[key]}"

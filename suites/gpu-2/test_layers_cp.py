@@ -1,0 +1,47 @@
+"""CP = 2 over NCCL: bf16 layers on two GPUs (fla's chunk kernels and causal conv with an fla CP
+context, linattn.parallel.cp_fla) against the float64 replicated layer on the CPU, same weights
+and inputs, in the contiguous and the zigzag layout: output, dx and every parameter gradient
+(summed over the CP ranks) <= 2e-2 relative. One spawn call per family runs every case; cases, the
+rank function and the checks are suites/layer_parity.py's.
+
+Packings from the plugin's packed_seqlens (seeded): contiguous with a sequence crossing the CP
+edge, and with a boundary exactly on it; zigzag with every length divisible by 2 * cp.
+"""
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs seconds
+    pytest.skip("no CUDA device", allow_module_level=True)
+pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
+
+from layer_parity import check_parallel_cases, gpu_config, make_case, run_parallel_cases  # noqa: E402
+from pytest_linattn.seqlens import packed_seqlens  # noqa: E402
+
+pytestmark = pytest.mark.gpus(2)
+
+RTOL = 2e-2
+DTYPE = torch.bfloat16
+T = 512
+FAMILIES = {
+    "qwen3_next": {},
+    "qwen3_5": {},
+    "kda": {"gate_lower_bound": -5.0},
+}
+
+
+@pytest.mark.cp_sizes(2)
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cp2_bf16_layer_matches_float64(spawn, cp_size, family):
+    config = gpu_config(family, **FAMILIES[family])
+    seed = 5000 + list(FAMILIES).index(family)
+    packings = [
+        ("contiguous", "cross", packed_seqlens(T, cp_size=cp_size, layout="contiguous", seed=seed)),
+        ("contiguous", "edge", packed_seqlens(T, cp_size=cp_size, layout="contiguous", seed=seed, edge_boundary=True)),
+        ("zigzag", "zz", packed_seqlens(T, cp_size=cp_size, layout="zigzag", seed=seed)),
+    ]
+    cases = [make_case(config, cu, seed=seed, cp=cp_size, layout=layout, dtype=DTYPE, name=name,
+                       fla_init=True, round_to=DTYPE)
+             for layout, name, cu in packings]
+    per_rank = spawn(run_parallel_cases, cp_size, cases)
+    check_parallel_cases(cases, per_rank, rtol=RTOL, reference_dtype=torch.float64, replicated_equal=False)
