@@ -50,15 +50,29 @@ from .state_dict import FLATTENABLE, parameter_layouts
 __all__ = ["HeadShardedLinearAttention", "gated_rms_norm"]
 
 
+def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
+    """t in float32 if its dtype is lower (bf16, fp16); float32 and float64 pass unchanged.
+
+    The one precision rule of the layers' small elementwise math (decay gate, beta, gated RMSNorm
+    statistics; for KDA also its low-rank gate projections, see kimi_delta_attention.py), as the
+    references do: HF Qwen3-Next `g = -A_log.float().exp() * softplus(a.float()
+    + dt_bias)`; fla computes the KDA gate (fla/ops/kda/gate.py), the in-kernel beta sigmoid
+    (fla/ops/common/gate.py) and the gated RMSNorm (fla/modules/fused_norm_gate.py) in float32, and
+    its kernels take g and beta in float32. Results go back to the layer dtype only where a matmul
+    takes them (the normed output before the output projection).
+    """
+    return t if t.dtype in (torch.float32, torch.float64) else t.float()
+
+
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str) -> torch.Tensor:
     """RMSNorm over the last dim, times weight, times act(gate) (norm before gate, as HF and fla).
 
-    activation: "silu" (Qwen3-Next / Qwen3.5) or "sigmoid" (KDA). Half precision computes in float32.
+    activation: "silu" (Qwen3-Next / Qwen3.5) or "sigmoid" (KDA). Computes in at least float32;
+    returns x's dtype (the output projection's input).
     """
-    compute_dtype = torch.promote_types(x.dtype, torch.float32)
-    xc = x.to(compute_dtype)
-    y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(compute_dtype)
-    gate = gate.to(compute_dtype)
+    xc = _at_least_float32(x)
+    y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)
+    gate = gate.to(xc.dtype)
     y = y * (F.silu(gate) if activation == "silu" else torch.sigmoid(gate))
     return y.to(x.dtype)
 

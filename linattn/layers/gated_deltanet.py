@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import HeadShardedLinearAttention, gated_rms_norm
+from .base import HeadShardedLinearAttention, _at_least_float32, gated_rms_norm
 
 __all__ = ["GatedDeltaNet"]
 
@@ -51,10 +51,9 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         q = q.reshape(1, T, c.num_k_heads, c.head_k_dim)
         k = k.reshape(1, T, c.num_k_heads, c.head_k_dim)
         v = v.reshape(1, T, c.num_v_heads, c.head_v_dim)
-        beta = torch.sigmoid(b)
-        # the decay in at least float32 (HF: "if the model is loaded in fp16, A might be -inf")
-        gate_dtype = torch.promote_types(x.dtype, torch.float32)
-        g = -self.A_log.to(gate_dtype).exp() * F.softplus(a.to(gate_dtype) + self.dt_bias.to(gate_dtype))
+        # beta and the decay in at least float32 (HF: "if the model is loaded in fp16, A might be -inf")
+        beta = torch.sigmoid(_at_least_float32(b))
+        g = -_at_least_float32(self.A_log).exp() * F.softplus(_at_least_float32(a) + _at_least_float32(self.dt_bias))
         o = self._delta_rule(q, k, v, g, beta, cu_seqlens, cp_context)
         o = gated_rms_norm(o, z, self._replicated(self.norm.weight), self.config.norm_eps, "silu")
         return F.linear(o.reshape(1, T, c.value_dim), self.out_proj.weight)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import HeadShardedLinearAttention, gated_rms_norm
+from .base import HeadShardedLinearAttention, _at_least_float32, gated_rms_norm
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -42,16 +42,22 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         k = k.reshape(1, T, c.num_k_heads, dk)
         v = v.reshape(1, T, HV, dv)
 
+        # The gate in at least float32 from its input projections on: dt_bias (~ log dt, -7 to -2)
+        # cancels most of f_b_proj's output, so bf16 rounding of the projections is a large error
+        # in f, and with the lower bound sigmoid(exp(A_log) * f) multiplies it by up to 16
+        # (2-4e-2 relative on the gate's weight gradients; 1e-2 in float32). fla and HF round the
+        # projections to bf16; these are low rank (hidden -> dv -> HV * dk): float32 costs a fraction
+        # of one full-width projection. Under TP the f_a_proj gradient is summed in float32.
         # f_a_proj is replicated (its output feeds every rank's heads): gradient summed over TP
-        f = F.linear(F.linear(x, self._replicated(self.f_a_proj.weight)), self.f_b_proj.weight)
-        gate_dtype = torch.promote_types(x.dtype, torch.float32)
-        f = f.to(gate_dtype).view(1, T, HV, dk) + self.dt_bias.to(gate_dtype).view(HV, dk)
-        decay_rate = self.A_log.to(gate_dtype).exp().view(HV, 1)
+        f_low_rank = F.linear(_at_least_float32(x), self._replicated(_at_least_float32(self.f_a_proj.weight)))
+        f = F.linear(f_low_rank, _at_least_float32(self.f_b_proj.weight)).view(1, T, HV, dk)
+        f = f + _at_least_float32(self.dt_bias).view(HV, dk)
+        decay_rate = _at_least_float32(self.A_log).exp().view(HV, 1)
         if self.config.gate_lower_bound is None:
             g = -decay_rate * F.softplus(f)
         else:
             g = self.config.gate_lower_bound * torch.sigmoid(decay_rate * f)
-        beta = torch.sigmoid(F.linear(x, self.b_proj.weight))
+        beta = torch.sigmoid(_at_least_float32(F.linear(x, self.b_proj.weight)))
 
         o = self._delta_rule(q, k, v, g, beta, cu_seqlens, cp_context)
 
