@@ -126,9 +126,14 @@ class _State:
     def __init__(self, config):
         self.config = config
         self.manager = None
-        self.sent = 0
         self.report_paths = []
         self.is_worker = hasattr(config, "workerinput")
+        # Where this session's records begin: an in-process nested run (pytester) shares the
+        # module-level lists with the outer one, and each must summarise only its own checks.
+        parity = _parity_module()
+        self.records_start = len(parity.RECORDS) if parity is not None else 0
+        self.sent = self.records_start
+        self.controller_start = len(_CONTROLLER_RECORDS)
 
     def pools(self):
         if self.manager is None:
@@ -153,7 +158,6 @@ def pytest_configure(config):
     ):
         config.addinivalue_line("markers", line)
     config.stash[_STATE] = _State(config)
-    _CONTROLLER_RECORDS.clear()
 
 
 @pytest.hookimpl(trylast=True)
@@ -402,9 +406,9 @@ def _all_records(config) -> list[dict]:
     if state is not None and state.is_worker:
         return []
     parity = _parity_module()
-    local = list(parity.RECORDS) if parity is not None else []
+    local = parity.RECORDS[state.records_start:] if parity is not None else []
     # In a worker-less run the logreport hook never sees linattn_parity (only workers set it).
-    return _CONTROLLER_RECORDS + local
+    return _CONTROLLER_RECORDS[state.controller_start:] + local
 
 
 def _report_dir(config):
