@@ -7,10 +7,11 @@ Per value head, token by token (fla's naive recurrence):
     o_t = scale · S_tᵀ q_t
 
 mode="recurrent" runs exactly that, one sequence and one token at a time: the ground truth.
-mode="chunk" runs the same math in chunks of 64 tokens (WY form, as fla's chunk kernels): all
-intra-chunk work is batched over every chunk of every sequence, and only a short loop over the
-chunk index carries the state. Packed sequences are scattered into a padded `[N, L]` layout whose
-padding (k = v = 0, beta = 0, g = 0) leaves each state untouched.
+mode="chunk" runs the same math in chunks of 64 tokens (WY form, as fla's chunk kernels): the
+intra-chunk work is batched over the chunks of every sequence at once (in cache-sized groups of
+chunks), and only a short loop over the chunk index carries the state. Packed sequences are
+scattered into a padded `[chunks, N, HV, 64, ...]` layout whose padding (k = v = 0, beta = 0,
+g = 0) leaves each state untouched.
 
 Value head j reads key head j // (HV // H), as fla groups heads for GVA.
 """
@@ -29,6 +30,7 @@ from .checks import (
 
 CHUNK_SIZE = 64
 MODES = ("chunk", "recurrent")
+GROUP_BYTES = 1 << 20  # chunks go through the intra-chunk work in groups of about this size
 L2NORM_EPS = 1e-6  # fla.modules.l2norm default, used by use_qk_l2norm_in_kernel
 
 
@@ -139,80 +141,92 @@ def _recurrent(q, k, v, g, beta, state, bounds):
 
 
 def _chunked(q, k, v, g, beta, state, bounds):
-    """Chunked WY form over a padded `[N, HV, chunks, C, ...]` layout of all sequences at once."""
+    """Chunked WY form over a padded `[chunks, N·HV, C, ...]` layout of all sequences at once."""
     C = CHUNK_SIZE
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
-    N, num_chunks = len(lengths), max(1, math.ceil(max(lengths) / C))
+    N, HV, K, V = state.shape
+    num_chunks = max(1, math.ceil(max(lengths) / C))
     seq = torch.repeat_interleave(torch.arange(N, device=q.device), torch.tensor(lengths, device=q.device))
     pos = torch.arange(q.shape[0], device=q.device) - torch.tensor(bounds[:-1], device=q.device)[seq]
+    # token -> (chunk, sequence, head, place in chunk); chunk-major so the loop's slices are contiguous
+    slot = (pos // C, seq, slice(None), pos % C)
 
-    def to_chunks(x):  # [tokens, HV, ...] -> [N, HV, chunks, C, ...], zero padding
-        padded = x.new_zeros(N, num_chunks * C, *x.shape[1:]).index_put((seq, pos), x)
-        return padded.unflatten(1, (num_chunks, C)).movedim(3, 1)
+    def to_chunks(x):  # [tokens, HV, D] -> [chunks, N·HV, C, D], zero padding
+        padded = x.new_zeros(num_chunks, N, HV, C, x.shape[-1])
+        padded[slot] = x
+        return padded.flatten(1, 2)
 
-    q, k, v, g, beta = map(to_chunks, (q, k, v, g, beta))
+    # groups of chunks small enough to stay in cache: batched intra-chunk work per group, then the
+    # state pass over the group's chunks (split once: slicing in a loop would make backward build
+    # a full-size gradient per slice)
+    group = max(1, GROUP_BYTES // (N * HV * C * max(K, V) * q.element_size()))
+    groups = zip(*(to_chunks(x).split(group) for x in (q, k, v, g, beta[..., None])))
+    S, outputs = state.reshape(N * HV, K, V), []
+    for chunk_terms in (_chunk_terms(*group_inputs) for group_inputs in groups):
+        for U_c, W_c, q_c, Aqk_c, decay_c, k_c in zip(*(x.unbind(0) for x in chunk_terms)):
+            v_new = torch.baddbmm(U_c, W_c, S, alpha=-1)
+            # in place on fresh products: bmm and mul save their inputs, not their outputs
+            outputs.append((q_c @ S).baddbmm_(Aqk_c, v_new))
+            S = (decay_c * S).baddbmm_(k_c, v_new)
+    o = torch.stack(outputs).view(num_chunks, N, HV, C, V)[slot]
+    return o, S.view(N, HV, K, V)
+
+
+def _chunk_terms(q, k, v, g, beta):
+    """Per chunk, what the state pass needs: U, W, q·exp(g), Aqk, exp(g_last), (k·exp(g_last - g))ᵀ.
+
+    WY form: (I + strict_lower(Akk)) [U, W] = [diag(beta) v, diag(beta) k·exp(g)]; a chunk then
+    takes v_new = U - W S_in, o = (q·exp g) S_in + Aqk v_new and
+    S_out = exp(g_last) S_in + (k·exp(g_last - g))ᵀ v_new.
+    """
     g = g.cumsum(-2)  # log decay from the chunk start through each token, [.., C, K or 1]
     g_last = g[..., -1:, :]
-
-    # intra-chunk pair products, decayed from column token j to row token i (i >= j)
+    # intra-chunk pair products decayed from token j to token i, for i >= j (Akk's diagonal is
+    # never read: the solve takes it as unit)
+    k_beta = k * beta
     if g.shape[-1] == 1:
-        Akk, Aqk = _scalar_decayed_lower(q, k, g[..., 0])
+        decay = _scalar_lower_decay(g[..., 0])
+        Akk = (k_beta @ k.transpose(-1, -2)) * decay
+        Aqk = (q @ k.transpose(-1, -2)) * decay
     else:
-        Akk = _channel_decayed_lower(k, k, g, inclusive=False)
-        Aqk = _channel_decayed_lower(q, k, g, inclusive=True)
-
-    # WY form: (I + diag(beta) Akk) [U, W] = diag(beta) [v, k·exp(g)]; a chunk then needs
-    # v_new = U - W S_in, o = (q·exp g) S_in + Aqk v_new, S_out = exp(g_last) S_in + (k·exp(g_last - g))ᵀ v_new
-    beta = beta[..., None]
-    rhs = torch.cat([beta * v, beta * k * g.exp()], dim=-1)
-    solved = torch.linalg.solve_triangular(beta * Akk, rhs, upper=False, unitriangular=True)
+        Akk, Aqk = _channel_decayed_lower((k_beta, q), k, g)
+    decay_in = g.exp()
+    rhs = torch.cat([v * beta, k_beta * decay_in], dim=-1)
+    solved = torch.linalg.solve_triangular(Akk, rhs, upper=False, unitriangular=True)
     U, W = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    q_in = q * g.exp()
-    k_out = k * (g_last - g).exp()
-    state_decay = g_last.exp().transpose(-1, -2)  # [.., K or 1, 1]
-
-    # unbind once: indexing chunk c in the loop would make backward build a full-size gradient per chunk
-    per_chunk = zip(*(x.unbind(2) for x in (U, W, q_in, Aqk, state_decay, k_out.transpose(-1, -2))))
-    S, outputs = state, []
-    for U_c, W_c, q_c, Aqk_c, decay_c, k_c in per_chunk:
-        v_new = U_c - W_c @ S
-        outputs.append(q_c @ S + Aqk_c @ v_new)
-        S = decay_c * S + k_c @ v_new
-    o = torch.stack(outputs, dim=2).flatten(2, 3).movedim(1, 2)  # [N, L, HV, V]
-    return o[seq, pos], S
+    k_out = (k * (g_last - g).exp()).transpose(-1, -2)
+    return U, W, q * decay_in, Aqk, g_last.exp().transpose(-1, -2), k_out
 
 
-def _scalar_decayed_lower(q, k, g):
-    """GDN: strictly lower k·k and lower-with-diagonal q·k products, times exp(g_i - g_j)."""
+def _scalar_lower_decay(g):
+    """GDN: exp(g_i - g_j) for i >= j, 0 above the diagonal; g `[.., C]` cumulative log decay."""
     C = g.shape[-1]
     lower = torch.ones(C, C, dtype=torch.bool, device=g.device).tril()
-    strict = lower.tril(-1)
-    # every exponent is g_i - g_j with i >= j: never positive for a decay, so exp never overflows
-    decay = torch.where(lower, g[..., :, None] - g[..., None, :], 0.0).exp()
-    Akk = (k @ k.transpose(-1, -2)) * decay * strict
-    Aqk = (q @ k.transpose(-1, -2)) * decay * lower
-    return Akk, Aqk
+    # every exponent taken is g_i - g_j with i >= j: never positive for a decay, so exp never overflows
+    return torch.where(lower, g[..., :, None] - g[..., None, :], -math.inf).exp()
 
 
-def _channel_decayed_lower(a, b, g, inclusive):
-    """KDA: M[i, j] = sum_d a_i[d] b_j[d] exp(g_i[d] - g_j[d]) for j < i (j <= i if inclusive), else 0.
+def _channel_decayed_lower(rows_list, b, g):
+    """KDA: for each a in rows_list, M[i, j] = sum_d a_i[d] b_j[d] exp(g_i[d] - g_j[d]) for j <= i, else 0.
 
     exp(g_i - g_j) per channel does not factor stably as exp(g_i)·exp(-g_j) (exp(-g_j) overflows
     for strong decays), so split the block in halves recursively: the lower-left quarter factors
     through the first token r of the second half, exp(g_i - g_r)·exp(g_r - g_j), both exponents
     never positive; the two diagonal halves recurse (batched together) down to single tokens.
     """
-    n = a.shape[-2]
+    n = g.shape[-2]
     if n == 1:
-        diagonal = (a * b).sum(-1)[..., None]
-        return diagonal if inclusive else torch.zeros_like(diagonal)
+        return [(a * b).sum(-1)[..., None] for a in rows_list]
     h = n // 2
     split = lambda x: x.unflatten(-2, (2, h))  # noqa: E731  (the two halves as a batch dim)
-    halves = _channel_decayed_lower(split(a), split(b), split(g), inclusive)
+    halves = _channel_decayed_lower([split(a) for a in rows_list], split(b), split(g))
     ref = g[..., h:h + 1, :]
-    rows = a[..., h:, :] * (g[..., h:, :] - ref).exp()
-    cols = b[..., :h, :] * (ref - g[..., :h, :]).exp()
-    lower_left = rows @ cols.transpose(-1, -2)
-    top = torch.cat([halves[..., 0, :, :], torch.zeros_like(lower_left)], dim=-1)
-    bottom = torch.cat([lower_left, halves[..., 1, :, :]], dim=-1)
-    return torch.cat([top, bottom], dim=-2)
+    row_decay = (g[..., h:, :] - ref).exp()
+    cols = (b[..., :h, :] * (ref - g[..., :h, :]).exp()).transpose(-1, -2)
+    blocks = []
+    for a, inner in zip(rows_list, halves):
+        lower_left = (a[..., h:, :] * row_decay) @ cols
+        top = torch.cat([inner[..., 0, :, :], torch.zeros_like(lower_left)], dim=-1)
+        bottom = torch.cat([lower_left, inner[..., 1, :, :]], dim=-1)
+        blocks.append(torch.cat([top, bottom], dim=-2))
+    return blocks

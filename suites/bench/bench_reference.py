@@ -1,11 +1,13 @@
 """Time the float64 references: chunk vs recurrent, and fla's naive recurrent (float32) for scale.
 
 Run: python suites/bench/bench_reference.py [--lengths 1024,4096,16384] [--repeats 3] [--no-kda]
-      [--threads 1] [--full]
+      [--threads N] [--wall] [--full]
 B=1, 4 heads, K=V=64. Prints one row per (op, T, implementation): forward and forward+backward
 seconds (median of the repeats after one warm-up; recurrent rows at T >= 8192 run once), and how
-many times slower than chunk each row is. The recurrent backward at T >= 8192 keeps every token's
-state for autograd (about 6 GB at 16k), so it is skipped unless --full.
+many times slower than chunk each row is. The clock is this process's CPU time and torch runs one
+thread by default, so other jobs on a shared machine disturb the numbers little; --wall and
+--threads 0 time wall-clock with torch's own thread count instead. The recurrent backward at
+T >= 8192 keeps every token's state for autograd (about 6 GB at 16k), so it is skipped unless --full.
 """
 
 import argparse
@@ -45,14 +47,14 @@ def ours(per_channel, mode):
     return lambda q, k, v, g, beta: op(q, k, v, g, beta, output_final_state=True, mode=mode)
 
 
-def seconds(fn, inputs, backward, repeats):
+def seconds(fn, inputs, backward, repeats, clock=time.process_time):
     times = []
     for _ in range(repeats + (repeats > 1)):  # first of several is a warm-up
-        start = time.perf_counter()
+        start = clock()
         o, s = fn(*inputs)
         if backward:
             (o.sum() + s.sum()).backward()
-        times.append(time.perf_counter() - start)
+        times.append(clock() - start)
         for x in inputs:
             x.grad = None
     return statistics.median(times[1:] if repeats > 1 else times)
@@ -63,13 +65,17 @@ def main():
     parser.add_argument("--lengths", default="1024,4096,16384")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-kda", action="store_true")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1 is steadiest on a shared box)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's own choice)")
+    parser.add_argument("--wall", action="store_true", help="wall-clock seconds instead of this process's CPU seconds")
     parser.add_argument("--full", action="store_true", help="also run recurrent fwd+bwd at T >= 8192")
     args = parser.parse_args()
     lengths = [int(t) for t in args.lengths.split(",")]
-    torch.set_num_threads(args.threads)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
-    print(f"B=1 H={H} K=V={K}, torch threads={torch.get_num_threads()}, median seconds")
+    clock = time.perf_counter if args.wall else time.process_time
+    print(f"B=1 H={H} K=V={K}, torch threads={torch.get_num_threads()}, "
+          f"median {'wall-clock' if args.wall else 'CPU'} seconds")
     print(f"{'op':4} {'T':>6} {'impl':24} {'fwd':>8} {'fwd+bwd':>8} {'fwd/chunk':>11} {'f+b/chunk':>11}")
     for per_channel in ([False] if args.no_kda else [False, True]):
         name = "KDA" if per_channel else "GDN"
@@ -82,8 +88,8 @@ def main():
                 inputs = make_inputs(T, per_channel, dtype)
                 slow = not label.startswith("chunk") and T >= SLOW_TOKENS
                 repeats = 1 if slow else args.repeats
-                fwd = seconds(fn, inputs, False, repeats)
-                both = seconds(fn, inputs, True, repeats) if not slow or args.full else float("nan")
+                fwd = seconds(fn, inputs, False, repeats, clock)
+                both = seconds(fn, inputs, True, repeats, clock) if not slow or args.full else float("nan")
                 if chunk_times is None:
                     chunk_times = (fwd, both)
                 speed = [f"{t / c:.1f}x" if t == t else "skipped" for t, c in zip((fwd, both), chunk_times)]

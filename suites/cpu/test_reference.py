@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn.reference import gated_delta_rule, kda, short_conv
+from linattn.reference import delta_rule, gated_delta_rule, kda, short_conv
 from linattn.reference.checks import validate_cu_seqlens
 
 F64 = torch.float64
@@ -71,7 +71,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("op, H, HV, B, T, strong, l2norm", CASES)
-def test_chunk_matches_recurrent(op, H, HV, B, T, strong, l2norm):
+@pytest.mark.parametrize("one_chunk_groups", [False, True], ids=["grouped", "chunk-per-group"])
+def test_chunk_matches_recurrent(op, H, HV, B, T, strong, l2norm, one_chunk_groups, monkeypatch):
+    if one_chunk_groups:  # every chunk its own group: the state must cross group boundaries intact
+        monkeypatch.setattr(delta_rule, "GROUP_BYTES", 1)
     seed = 1000 + 7 * H + HV + (len(T) if isinstance(T, list) else T)
     cu = None
     if isinstance(T, list):
