@@ -215,3 +215,42 @@ def check_parallel_case(case, results, reference, *, rtol, replicated_equal=True
                     for t in range(1, tp):
                         assert torch.equal(results[rank(t, c, d)][2][name], first), \
                             f"{label} {name}: TP rank {t} (cp rank {c}) holds a different replicated-weight gradient"
+
+
+# The single-device bf16 cases (gpu-1 on fla's kernels; cpu as its proxy on the torch kernels).
+BF16_CU_SEQLENS = [0, 1, 130, 300, 515]  # one single-token sequence, one crossing fla's 64-token chunks
+BF16_CASES = {
+    # name: (family, v heads per k head, config options)
+    "qwen3_next-gva2": ("qwen3_next", 2, {}),
+    "qwen3_5-gva3": ("qwen3_5", 3, {}),
+    "kda-gva2-lower_bound": ("kda", 2, {"gate_lower_bound": -5.0}),
+    "kda-gva1-low_rank_gate": ("kda", 1, {"output_gate_rank": 128}),
+}
+
+
+def check_bf16_layer(case, device, *, rtol=2e-2):
+    """A bf16 layer on `device` against the float64 replicated layer on the CPU, same weights and
+    inputs (drawn in float64, rounded to bf16 once, so what is left is the bf16 computation's
+    error): output, dx and every parameter gradient <= rtol."""
+    family, ratio, extra = BF16_CASES[case]
+    config = gpu_config(family, ratio, **extra)
+    seed = 2026 + list(BF16_CASES).index(case)
+    sd = random_state_dict(config, seed, fla_init=True, round_to=torch.bfloat16)
+    gen = torch.Generator().manual_seed(seed + 1)
+    cu = torch.tensor(BF16_CU_SEQLENS, dtype=torch.int32)
+    T = BF16_CU_SEQLENS[-1]
+    x, dy = (torch.randn(1, T, config.hidden_size, generator=gen, dtype=torch.float64)
+             .to(torch.bfloat16).double() for _ in range(2))
+
+    reference = build_layer(config, dtype=torch.float64)
+    reference.load_state_dict(sd)
+    y_ref, dx_ref, grads_ref = run_layer(reference, x, dy, cu)
+
+    layer = build_layer(config, dtype=torch.bfloat16, device=device)
+    layer.load_state_dict({n: t.to(torch.bfloat16) for n, t in sd.items()})
+    y, dx, grads = run_layer(layer, x.to(device, torch.bfloat16), dy.to(device, torch.bfloat16), cu.to(device))
+    assert all(g.dtype == torch.bfloat16 for g in grads.values())  # bf16 parameters, bf16 gradients
+
+    assert_parity(y, y_ref, rtol=rtol, name=f"{case} output", cu_seqlens=cu)
+    assert_parity(dx, dx_ref, rtol=rtol, name=f"{case} dx", cu_seqlens=cu)
+    assert_parity(grads, grads_ref, rtol=rtol, name=f"{case} grad")
