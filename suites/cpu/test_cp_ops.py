@@ -120,6 +120,7 @@ def _reference_case(case):
     return ref
 
 
+@pytest.mark.cp_sizes(*CONTIGUOUS)  # the packings are written per size; other sizes are deselected
 def test_cp_ops_match_reference(spawn, cp_size):
     cases = _cases(cp_size)
     per_rank = spawn(_run_cp_cases, cp_size, cases)

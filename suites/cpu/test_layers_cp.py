@@ -60,6 +60,7 @@ def _seed(family, *rest):
     return 1000 * (FAMILIES.index(family) + 1) + sum(10 ** i * r for i, r in enumerate(rest))
 
 
+@pytest.mark.cp_sizes(*CP_PACKINGS)  # the packings are written per size; other sizes are deselected
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp_layer_matches_replicated(spawn, cp_size, packed_seqlens, family):
     cases = []
