@@ -218,15 +218,19 @@ def _channel_decayed_lower(rows_list, b, g):
     if n == 1:
         return [(a * b).sum(-1)[..., None] for a in rows_list]
     h = n // 2
-    split = lambda x: x.unflatten(-2, (2, h))  # noqa: E731  (the two halves as a batch dim)
-    halves = _channel_decayed_lower([split(a) for a in rows_list], split(b), split(g))
-    ref = g[..., h:h + 1, :]
-    row_decay = (g[..., h:, :] - ref).exp()
-    cols = (b[..., :h, :] * (ref - g[..., :h, :]).exp()).transpose(-1, -2)
+    # halves as a batch dim, taken apart with unbind: slicing would make backward build zeros per slice
+    split = lambda x: x.unflatten(-2, (2, h))  # noqa: E731
+    rows_list, b, g = [split(a) for a in rows_list], split(b), split(g)
+    halves = _channel_decayed_lower(rows_list, b, g)
+    g_first, g_second = g.unbind(-3)
+    ref = g_second[..., :1, :]
+    row_decay = (g_second - ref).exp()
+    cols = (b.unbind(-3)[0] * (ref - g_first).exp()).transpose(-1, -2)
     blocks = []
     for a, inner in zip(rows_list, halves):
-        lower_left = (a[..., h:, :] * row_decay) @ cols
-        top = torch.cat([inner[..., 0, :, :], torch.zeros_like(lower_left)], dim=-1)
-        bottom = torch.cat([lower_left, inner[..., 1, :, :]], dim=-1)
+        inner_first, inner_second = inner.unbind(-3)
+        lower_left = (a.unbind(-3)[1] * row_decay) @ cols
+        top = torch.cat([inner_first, torch.zeros_like(lower_left)], dim=-1)
+        bottom = torch.cat([lower_left, inner_second], dim=-1)
         blocks.append(torch.cat([top, bottom], dim=-2))
     return blocks
