@@ -217,6 +217,16 @@ def check_parallel_case(case, results, reference, *, rtol, replicated_equal=True
                             f"{label} {name}: TP rank {t} (cp rank {c}) holds a different replicated-weight gradient"
 
 
+def error_of(fn):
+    """The message of the ValueError fn() raises (rank functions return it for the parent to
+    check), or None when it raises nothing."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return None
+
+
 # The single-device bf16 cases (gpu-1 on fla's kernels; cpu as its proxy on the torch kernels).
 BF16_CU_SEQLENS = [0, 1, 130, 300, 515]  # one single-token sequence, one crossing fla's 64-token chunks
 BF16_CASES = {

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import FAMILIES, check_parallel_cases, make_case, make_config, run_parallel_cases
+from layer_parity import FAMILIES, check_parallel_cases, error_of, make_case, make_config, run_parallel_cases
 from linattn.layers import build_layer
 from linattn.parallel import new_groups
 
@@ -90,13 +90,6 @@ def test_tp_cp_layer_matches_replicated(spawn, tp_size, cp_size, family):
 # ---- rules ------------------------------------------------------------------------------------
 
 
-def _error_of(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
 
 def run_cp_rules():
     """On 4 ranks: every rule a CP layer enforces, each before any collective."""
@@ -112,21 +105,21 @@ def run_cp_rules():
     _, cp_group = new_groups(1, 2)
     contiguous = build_layer(config, cp_group=cp_group, dtype=torch.float64)
     zigzag = build_layer(config, cp_group=cp_group, cp_layout="zigzag", dtype=torch.float64)
-    errors["cp_divisible"] = _error_of(forward(contiguous, 2, [2, 3]))
-    errors["zigzag_divisible"] = _error_of(forward(zigzag, 3, [4, 2]))
-    errors["zigzag_lengths"] = _error_of(forward(zigzag, 4, [2, 6]))
-    errors["cp_tokens"] = _error_of(forward(contiguous, 3, [4, 4]))
-    errors["layout"] = _error_of(lambda: build_layer(config, cp_group=cp_group, cp_layout="ring"))
+    errors["cp_divisible"] = error_of(forward(contiguous, 2, [2, 3]))
+    errors["zigzag_divisible"] = error_of(forward(zigzag, 3, [4, 2]))
+    errors["zigzag_lengths"] = error_of(forward(zigzag, 4, [2, 6]))
+    errors["cp_tokens"] = error_of(forward(contiguous, 3, [4, 4]))
+    errors["layout"] = error_of(lambda: build_layer(config, cp_group=cp_group, cp_layout="ring"))
 
     tp_group, cp_group = new_groups(2, 2)
     sp = build_layer(config, tp_group=tp_group, cp_group=cp_group, sequence_parallel=True, dtype=torch.float64)
-    errors["sp_divisible"] = _error_of(forward(sp, 2, [3, 3]))  # 3 tokens per CP rank, tp 2
-    errors["sp_tokens"] = _error_of(forward(sp, 3, [8, 8]))
+    errors["sp_divisible"] = error_of(forward(sp, 2, [3, 3]))  # 3 tokens per CP rank, tp 2
+    errors["sp_tokens"] = error_of(forward(sp, 3, [8, 8]))
     # the same ranks for TP and CP: not a grid
-    errors["grid"] = _error_of(lambda: build_layer(config, tp_group=tp_group, cp_group=tp_group))
+    errors["grid"] = error_of(lambda: build_layer(config, tp_group=tp_group, cp_group=tp_group))
     # a CP group of 3 ranks in a world of 4
     three = dist.new_group([0, 1, 2])
-    errors["tile"] = _error_of(lambda: build_layer(config, cp_group=three)) if rank < 3 else "skipped"
+    errors["tile"] = error_of(lambda: build_layer(config, cp_group=three)) if rank < 3 else "skipped"
     return errors
 
 

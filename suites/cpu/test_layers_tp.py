@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import FAMILIES, check_parallel_cases, make_case, make_config, run_parallel_cases
+from layer_parity import FAMILIES, check_parallel_cases, error_of, make_case, make_config, run_parallel_cases
 from linattn.layers import LinearAttentionConfig, build_layer
 from linattn.parallel import new_groups
 
@@ -44,13 +44,6 @@ def test_tp_layer_matches_replicated(spawn, tp_size, family):
 # ---- rules that need a process group ---------------------------------------------------------
 
 
-def _error_of(fn):
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return None
-
 
 def run_group_rules():
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -58,12 +51,12 @@ def run_group_rules():
     config = make_config("qwen3_5", 2)
     errors = {}
     odd_heads = LinearAttentionConfig("kda", hidden_size=8, num_k_heads=3, num_v_heads=6, head_k_dim=4, head_v_dim=4)
-    errors["tp_heads"] = _error_of(lambda: build_layer(odd_heads, tp_group=tp_group))
+    errors["tp_heads"] = error_of(lambda: build_layer(odd_heads, tp_group=tp_group))
     layer = build_layer(config, tp_group=tp_group, sequence_parallel=True, dtype=torch.float64)
     x = torch.randn(1, 3, config.hidden_size, dtype=torch.float64)
-    errors["sp_divisible"] = _error_of(lambda: layer(x, torch.tensor([0, 2, 3 * world + 1], dtype=torch.int32)))
-    errors["sp_tokens"] = _error_of(lambda: layer(x, torch.tensor([0, 4 * world], dtype=torch.int32)))
-    errors["tile"] = _error_of(lambda: new_groups(world + 1))
+    errors["sp_divisible"] = error_of(lambda: layer(x, torch.tensor([0, 2, 3 * world + 1], dtype=torch.int32)))
+    errors["sp_tokens"] = error_of(lambda: layer(x, torch.tensor([0, 4 * world], dtype=torch.int32)))
+    errors["tile"] = error_of(lambda: new_groups(world + 1))
     return errors
 
 
