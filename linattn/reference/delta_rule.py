@@ -19,6 +19,7 @@ Value head j reads key head j // (HV // H), as fla groups heads for GVA.
 import math
 
 import torch
+from torch.autograd.function import once_differentiable
 
 from .checks import (
     require,
@@ -207,30 +208,88 @@ def _scalar_lower_decay(g):
 
 
 def _channel_decayed_lower(rows_list, b, g):
-    """KDA: for each a in rows_list, M[i, j] = sum_d a_i[d] b_j[d] exp(g_i[d] - g_j[d]) for j <= i, else 0.
+    """KDA: for each a in rows_list, M[i, j] = sum_d a_i[d] b_j[d] exp(g_i[d] - g_j[d]) for j <= i, else 0."""
+    # rows interleaved per token, [.., C, R, K]: each level then takes all R matrices in one bmm
+    return list(_ChannelDecayedLower.apply(b, g, torch.stack(rows_list, dim=-2)).unbind(-2))
 
-    exp(g_i - g_j) per channel does not factor stably as exp(g_i)·exp(-g_j) (exp(-g_j) overflows
-    for strong decays), so split the block in halves recursively: the lower-left quarter factors
-    through the first token r of the second half, exp(g_i - g_r)·exp(g_r - g_j), both exponents
-    never positive; the two diagonal halves recurse (batched together) down to single tokens.
+
+class _ChannelDecayedLower(torch.autograd.Function):
+    """exp(g_i - g_j) per channel does not factor stably as exp(g_i)·exp(-g_j) (exp(-g_j) overflows
+    for strong decays). So the lower triangle is cut into quarters by halving: at level h (h = C/2,
+    C/4, .., 1) each block of 2h tokens has a lower-left h×h quarter that factors through the first
+    token r of its second half, exp(g_i - g_r)·exp(g_r - g_j), both exponents never positive; the
+    quarters of all levels plus the diagonal tile the lower triangle exactly.
+
+    Forward and backward are written out (under no_grad) rather than left to autograd: every level
+    works on strided views of the same contiguous tensors and writes its quarters in place, where
+    autograd would materialize a full-size zero gradient per view and a cat per level.
+    Shapes: b, g `[.., C, K]`, rows `[.., C, R, K]`, M `[.., C, R, C]`.
     """
-    n = g.shape[-2]
-    if n == 1:
-        return [(a * b).sum(-1)[..., None] for a in rows_list]
-    h = n // 2
-    # halves as a batch dim, taken apart with unbind: slicing would make backward build zeros per slice
-    split = lambda x: x.unflatten(-2, (2, h))  # noqa: E731
-    rows_list, b, g = [split(a) for a in rows_list], split(b), split(g)
-    halves = _channel_decayed_lower(rows_list, b, g)
-    g_first, g_second = g.unbind(-3)
-    ref = g_second[..., :1, :]
-    row_decay = (g_second - ref).exp()
-    cols = (b.unbind(-3)[0] * (ref - g_first).exp()).transpose(-1, -2)
-    blocks = []
-    for a, inner in zip(rows_list, halves):
-        inner_first, inner_second = inner.unbind(-3)
-        lower_left = (a.unbind(-3)[1] * row_decay) @ cols
-        top = torch.cat([inner_first, torch.zeros_like(lower_left)], dim=-1)
-        bottom = torch.cat([lower_left, inner_second], dim=-1)
-        blocks.append(torch.cat([top, bottom], dim=-2))
-    return blocks
+
+    @staticmethod
+    def forward(ctx, b, g, rows):
+        b, g, rows = b.contiguous(), g.contiguous(), rows.contiguous()
+        M = rows.new_zeros(*rows.shape[:-1], rows.shape[-3])
+        torch.diagonal(M, dim1=-3, dim2=-1).copy_((rows * b.unsqueeze(-2)).sum(-1).transpose(-1, -2))
+        decays = []
+        for h in _halving_levels(g.shape[-2]):
+            g_first, g_second = _block_halves(g, h)
+            ref = g_second[..., :1, :]
+            row_decay, col_decay = (g_second - ref).exp(), (ref - g_first).exp()
+            cols = (_block_halves(b, h)[0] * col_decay).transpose(-1, -2)
+            scaled_rows = (_block_halves(rows, h, -3)[1] * row_decay.unsqueeze(-2)).flatten(-3, -2)
+            _lower_left_quarters(M, h).copy_((scaled_rows @ cols).unflatten(-2, (h, -1)))
+            decays += [row_decay, col_decay]
+        ctx.save_for_backward(b, g, rows, *decays)
+        return M
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dM):
+        b, g, rows, *decays = ctx.saved_tensors
+        diag = torch.diagonal(dM, dim1=-3, dim2=-1).transpose(-1, -2).unsqueeze(-1)  # [.., C, R, 1]
+        d_rows = diag * b.unsqueeze(-2)
+        db = (diag * rows).sum(-2)
+        dg = torch.zeros_like(g)
+        for level, h in enumerate(_halving_levels(g.shape[-2])):
+            row_decay, col_decay = decays[2 * level], decays[2 * level + 1]
+            cols = _block_halves(b, h)[0] * col_decay
+            rows_second = _block_halves(rows, h, -3)[1]
+            # contiguous: a strided operand sends bmm down a slow per-matrix path
+            d_quarter = _lower_left_quarters(dM, h).contiguous().flatten(-3, -2)  # [.., C/2h, h·R, h]
+            d_scaled_rows = (d_quarter @ cols).unflatten(-2, (h, -1))  # [.., C/2h, h, R, K]
+            _block_halves(d_rows, h, -3)[1].addcmul_(d_scaled_rows, row_decay.unsqueeze(-2))
+            d_row_decay = (d_scaled_rows * rows_second).sum(-2)
+            scaled_rows = (rows_second * row_decay.unsqueeze(-2)).flatten(-3, -2)
+            d_cols = d_quarter.transpose(-1, -2) @ scaled_rows
+            _block_halves(db, h)[0].addcmul_(d_cols, col_decay)
+            # through the exponents: row_decay = exp(g_second - g_r), col_decay = exp(g_r - g_first)
+            d_row_log, d_col_log = d_row_decay * row_decay, d_cols * cols
+            dg_first, dg_second = _block_halves(dg, h)
+            dg_second.add_(d_row_log)
+            dg_first.sub_(d_col_log)
+            dg_second[..., :1, :].add_(d_col_log.sum(-2, keepdim=True) - d_row_log.sum(-2, keepdim=True))
+        return db, dg, d_rows
+
+
+def _halving_levels(C):
+    """h = C/2, C/4, .., 1."""
+    h = C // 2
+    while h >= 1:
+        yield h
+        h //= 2
+
+
+def _block_halves(x, h, token_dim=-2):
+    """Views of the first and second h tokens of every block of 2h along token_dim (negative):
+    [.., C, ..] -> 2 × [.., C/2h, h, ..]."""
+    blocks = x.unflatten(token_dim, (-1, 2, h))
+    return blocks.select(token_dim - 1, 0), blocks.select(token_dim - 1, 1)
+
+
+def _lower_left_quarters(M, h):
+    """View of the lower-left h×h quarter of every diagonal 2h×2h block of M `[.., C, R, C]`:
+    `[.., C/2h, h, R, h]`."""
+    m = M.shape[-1] // (2 * h)
+    blocks = torch.diagonal(M.unflatten(-1, (m, 2 * h)).unflatten(-4, (m, 2 * h)), dim1=-5, dim2=-2)
+    return blocks[..., h:, :, :h, :].movedim(-1, -4)  # from [.., 2h, R, 2h, C/2h]
