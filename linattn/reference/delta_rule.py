@@ -231,45 +231,52 @@ class _ChannelDecayedLower(torch.autograd.Function):
         b, g, rows = b.contiguous(), g.contiguous(), rows.contiguous()
         M = rows.new_zeros(*rows.shape[:-1], rows.shape[-3])
         torch.diagonal(M, dim1=-3, dim2=-1).copy_((rows * b.unsqueeze(-2)).sum(-1).transpose(-1, -2))
-        decays = []
         for h in _halving_levels(g.shape[-2]):
-            g_first, g_second = _block_halves(g, h)
-            ref = g_second[..., :1, :]
-            row_decay, col_decay = (g_second - ref).exp(), (ref - g_first).exp()
-            cols = (_block_halves(b, h)[0] * col_decay).transpose(-1, -2)
-            scaled_rows = (_block_halves(rows, h, -3)[1] * row_decay.unsqueeze(-2)).flatten(-3, -2)
-            _lower_left_quarters(M, h).copy_((scaled_rows @ cols).unflatten(-2, (h, -1)))
-            decays += [row_decay, col_decay]
-        ctx.save_for_backward(b, g, rows, *decays)
+            _, _, scaled_rows, cols = _level_factors(b, g, rows, h)
+            _lower_left_quarters(M, h).copy_((scaled_rows @ cols.transpose(-1, -2)).unflatten(-2, (h, -1)))
+        # backward recomputes the level factors: as fast as keeping them (fresh memory costs page
+        # faults), and the forward holds nothing beyond its inputs
+        ctx.save_for_backward(b, g, rows)
         return M
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dM):
-        b, g, rows, *decays = ctx.saved_tensors
-        diag = torch.diagonal(dM, dim1=-3, dim2=-1).transpose(-1, -2).unsqueeze(-1)  # [.., C, R, 1]
+        b, g, rows = ctx.saved_tensors
+        # contiguous first: broadcasting the strided diagonal itself is slow
+        diag = torch.diagonal(dM, dim1=-3, dim2=-1).transpose(-1, -2).contiguous().unsqueeze(-1)  # [.., C, R, 1]
         d_rows = diag * b.unsqueeze(-2)
-        db = (diag * rows).sum(-2)
-        dg = torch.zeros_like(g)
-        for level, h in enumerate(_halving_levels(g.shape[-2])):
-            row_decay, col_decay = decays[2 * level], decays[2 * level + 1]
-            cols = _block_halves(b, h)[0] * col_decay
-            rows_second = _block_halves(rows, h, -3)[1]
+        db = _sum_over_rows(diag * rows)
+        for h in _halving_levels(b.shape[-2]):
+            row_decay, col_decay, scaled_rows, cols = _level_factors(b, g, rows, h)
             # contiguous: a strided operand sends bmm down a slow per-matrix path
             d_quarter = _lower_left_quarters(dM, h).contiguous().flatten(-3, -2)  # [.., C/2h, h·R, h]
-            d_scaled_rows = (d_quarter @ cols).unflatten(-2, (h, -1))  # [.., C/2h, h, R, K]
-            _block_halves(d_rows, h, -3)[1].addcmul_(d_scaled_rows, row_decay.unsqueeze(-2))
-            d_row_decay = (d_scaled_rows * rows_second).sum(-2)
-            scaled_rows = (rows_second * row_decay.unsqueeze(-2)).flatten(-3, -2)
-            d_cols = d_quarter.transpose(-1, -2) @ scaled_rows
-            _block_halves(db, h)[0].addcmul_(d_cols, col_decay)
-            # through the exponents: row_decay = exp(g_second - g_r), col_decay = exp(g_r - g_first)
-            d_row_log, d_col_log = d_row_decay * row_decay, d_cols * cols
-            dg_first, dg_second = _block_halves(dg, h)
-            dg_second.add_(d_row_log)
-            dg_first.sub_(d_col_log)
-            dg_second[..., :1, :].add_(d_col_log.sum(-2, keepdim=True) - d_row_log.sum(-2, keepdim=True))
+            # h = 1: outer products, which bmm runs far slower than a broadcast multiply
+            d_scaled_rows = d_quarter @ cols if h > 1 else d_quarter * cols
+            d_scaled_cols = (d_quarter.transpose(-1, -2) @ scaled_rows if h > 1
+                             else (d_quarter * scaled_rows).sum(-2, keepdim=True))
+            _block_halves(d_rows, h, -3)[1].addcmul_(d_scaled_rows.unflatten(-2, (h, -1)), row_decay.unsqueeze(-2))
+            _block_halves(db, h)[0].addcmul_(d_scaled_cols, col_decay)
+        # every entry depends on g only through exp(g_i - g_j) next to a_i and b_j, so
+        # dL/dg_i = a_i·dL/da_i - b_i·dL/db_i (the diagonal's two terms cancel)
+        dg = _sum_over_rows(rows * d_rows) - b * db
         return db, dg, d_rows
+
+
+def _level_factors(b, g, rows, h):
+    """Level h's quarters factor through r, the first token of each block's second half:
+    row_decay = exp(g_second - g_r), col_decay = exp(g_r - g_first) (exponents never positive), the
+    scaled rows `[.., C/2h, h·R, K]` and scaled columns `[.., C/2h, h, K]`."""
+    g_first, g_second = _block_halves(g, h)
+    ref = g_second[..., :1, :]
+    row_decay, col_decay = (g_second - ref).exp(), (ref - g_first).exp()
+    scaled_rows = (_block_halves(rows, h, -3)[1] * row_decay.unsqueeze(-2)).flatten(-3, -2)
+    return row_decay, col_decay, scaled_rows, _block_halves(b, h)[0] * col_decay
+
+
+def _sum_over_rows(x):
+    """x.sum(-2) over the R row sets of `[.., R, K]`, as adds: a reduction over a middle dim is slow."""
+    return sum(x.unbind(-2))
 
 
 def _halving_levels(C):
