@@ -3,7 +3,9 @@
 Importing this package is cheap and imports neither pytest nor torch: ``pytest_linattn.pool``,
 ``.gpus``, ``.parity`` and friends work in plain Python. ``pytest -p pytest_linattn`` and
 ``pytest_plugins = ["pytest_linattn"]`` load the plugin through ``pytest_plugins`` below; the
-installed entry point has the same name, so pytest never registers it twice.
+installed entry point names this package too (pytest calls consider_module on every registered
+module), so with ``-p pytest_linattn`` or ``-p pytest_linattn.plugin`` pytest finds the name taken
+and never registers the plugin twice.
 """
 from __future__ import annotations
 

@@ -224,14 +224,14 @@ PLAIN_TP = "def test_tp(tp_size):\n    assert tp_size == 4\n"
 
 
 @pytest.mark.parametrize("how", ["entry point", "-p", "conftest", "-p, no autoload",
-                                 "conftest, no autoload", "-p and conftest"])
+                                 "conftest, no autoload", "-p and conftest", "-p module"])
 def test_loading_ways(pytester, monkeypatch, how):
     pytester.makepyfile(test_load=PLAIN_TP)
     args = ["--tp", "4"]
     if "no autoload" in how:
         monkeypatch.setenv("PYTEST_DISABLE_PLUGIN_AUTOLOAD", "1")
     if "-p" in how:
-        args = ["-p", "pytest_linattn", *args]
+        args = ["-p", "pytest_linattn.plugin" if "module" in how else "pytest_linattn", *args]
     if "conftest" in how:
         pytester.makeconftest('pytest_plugins = ["pytest_linattn"]\n')
     result = pytester.runpytest_subprocess(*args)
