@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn import reference
+from cp_op_parity import reference_case
 from linattn.parallel import cp
 from pytest_linattn.parity import assert_parity
 from pytest_linattn.seqlens import packed_seqlens
@@ -103,30 +103,13 @@ def _run_cp_cases(cases):
     return results
 
 
-def _reference_case(case):
-    cu = case["cu"]
-    ref = {}
-    c = case["conv"]
-    x, weight, bias = _leaf(c["x"]), _leaf(c["weight"]), _leaf(c["bias"])
-    y = reference.short_conv(x, weight, cu, bias, "silu")
-    (y * c["dy"]).sum().backward()
-    ref["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
-    for op in ("gated_delta_rule", "kda"):
-        t = case[op]
-        ins = {n: _leaf(t[n]) for n in ("q", "k", "v", "g", "beta")}
-        o, _ = getattr(reference, op)(*ins.values(), cu_seqlens=cu, use_qk_l2norm=case["l2norm"])
-        (o * t["do"]).sum().backward()
-        ref[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
-    return ref
-
-
 @pytest.mark.cp_sizes(*CONTIGUOUS)  # the packings are written per size; other sizes are deselected
 def test_cp_ops_match_reference(spawn, cp_size):
     cases = _cases(cp_size)
     per_rank = spawn(_run_cp_cases, cp_size, cases)
     for i, case in enumerate(cases):
         cu, layout = case["cu"], case["layout"]
-        ref = _reference_case(case)
+        ref = reference_case(case, use_qk_l2norm=case["l2norm"])
         for op in ("conv", "gated_delta_rule", "kda"):
             got = {}
             for key in ref[op]:

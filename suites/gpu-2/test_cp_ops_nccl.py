@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn import reference
+from cp_op_parity import DELTA_RULES as OPS, reference_case
 from linattn.parallel import cp
 from pytest_linattn.parity import assert_parity
 from pytest_linattn.seqlens import packed_seqlens
@@ -21,7 +21,6 @@ RTOL = 2e-2
 T = 512
 W, D = 4, 128
 H, HV, K, V = 2, 4, 64, 64  # GVA: two value heads per key head
-OPS = ("gated_delta_rule", "kda")
 
 
 def _cases(cp_size):
@@ -88,31 +87,13 @@ def _run_cp_cases(cases):
     return results
 
 
-def _reference_case(case):
-    # float64 leaves holding the bf16 values, so the reference gradients are float64 too
-    cu = case["cu"]
-    ref = {}
-    c = case["conv"]
-    x, weight, bias = (_leaf(c[n].double(), "cpu") for n in ("x", "weight", "bias"))
-    y = reference.short_conv(x, weight, cu, bias, "silu")
-    (y * c["dy"].double()).sum().backward()
-    ref["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
-    for op in OPS:
-        t = case[op]
-        ins = {n: _leaf(t[n].double(), "cpu") for n in ("q", "k", "v", "g", "beta")}
-        o, _ = getattr(reference, op)(*ins.values(), cu_seqlens=cu, use_qk_l2norm=True)
-        (o * t["do"].double()).sum().backward()
-        ref[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
-    return ref
-
-
 @pytest.mark.cp_sizes(2)
 def test_cp_ops_bf16_match_reference(spawn, cp_size):
     cases = _cases(cp_size)
     per_rank = spawn(_run_cp_cases, cp_size, cases)
     for i, case in enumerate(cases):
         cu, layout = case["cu"], case["layout"]
-        ref = _reference_case(case)
+        ref = reference_case(case, use_qk_l2norm=True)
         for (path, op), first in per_rank[0][i].items():
             got = {}
             for key in first:
