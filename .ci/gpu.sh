@@ -1,23 +1,50 @@
 #!/usr/bin/env bash
 # One call on a lent H200 machine (see ../shared/gpu/README.md): install the GPU kit's wheels
-# (.whl/, carried), then rerun the given GPU test files through linattn-rerun, logs under $OUT.
+# (.whl/, carried), then rerun the given GPU test files through linattn-rerun, one run per home
+# suite, the suites side by side (gpu-1 on the first GPU; gpu-2 leases its two through the plugin).
 #   usage: .ci/gpu.sh suites/gpu-1/test_x.py suites/gpu-2/test_y.py ...
+#   env:   LINATTN_GPU_BUDGET  seconds the test runs may take (default 450); then they are
+#          interrupted (SIGTERM: linattn-rerun summarises what finished) and the cache is saved.
+# Writes to $OUT: summary.md (every suite's), logs.tgz (pytest output, JUnit XML, the machine),
+# triton-cache.tgz.* (the next call's cache: copy them into .triton-cache/ and carry that folder).
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
-mkdir -p "$OUT"
+BUDGET=${LINATTN_GPU_BUDGET:-450}
+LOGS=/tmp/linattn-logs
+mkdir -p "$OUT" "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
 # The project runs from the checkout; PYTEST_PLUGINS loads the plugin without an install.
 export PYTHONPATH=/tmp/site:$PWD PYTEST_PLUGINS=pytest_linattn PYTHONUNBUFFERED=1
-# Triton compile + autotune dominates a fresh machine (minutes per test file). Keep compiled
-# kernels and autotune results in one cache dir, seeded from a carried .triton-cache.tgz (the
-# previous call's $OUT/triton-cache.tgz, copied to the repo root and named in carry).
+# Triton compile + autotune dominates a fresh machine (minutes per test file). Compiled kernels
+# and autotune results live in one cache dir, seeded from the previous call's parts.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-[ -f .triton-cache.tgz ] && tar -xzf .triton-cache.tgz -C "$TRITON_CACHE_DIR"
-nvidia-smi -L | tee "$OUT/gpus.txt"
-python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/gpus.txt"
-python3 -m pytest_linattn.rerun --out "$OUT" "$@" 2>&1 | tee "$OUT/rerun.log"
-rc=${PIPESTATUS[0]}
-tar -czf "$OUT/triton-cache.tgz" -C "$TRITON_CACHE_DIR" .
+if compgen -G ".triton-cache/triton-cache.tgz.*" >/dev/null; then
+  cat .triton-cache/triton-cache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) restored"
+fi
+{ nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$LOGS/machine.txt"
+
+declare -A files_of
+for f in "$@"; do suite=$(basename "$(dirname "$f")"); files_of[$suite]+="$f "; done
+pids=()
+for suite in "${!files_of[@]}"; do
+  visible=""; [ "$suite" = gpu-1 ] && visible=0
+  # shellcheck disable=SC2086  # the file list splits on purpose
+  ( [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES=$visible
+    timeout -s TERM -k 150 "$BUDGET" python3 -m pytest_linattn.rerun --out "$LOGS/$suite" ${files_of[$suite]} \
+      > "$LOGS/$suite.log" 2>&1 ) &
+  pids+=($!)
+done
+rc=0
+for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+cat "$LOGS"/*/summary.md > "$OUT/summary.md" 2>/dev/null
+tail -n 25 "$LOGS"/*.log
+tar -czf "$OUT/logs.tgz" -C "$LOGS" .
+# Only what a cache hit reads (metadata JSON, cubins, autotune results): the IR files are most
+# of the bytes, and the parts must fit the carry limit.
+find "$TRITON_CACHE_DIR" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
+  -o -name '*.source' \) -delete
+tar -czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz."
+du -ch "$OUT"/triton-cache.tgz.* | tail -1
 cat "$OUT/summary.md"
 exit "$rc"

@@ -12,9 +12,11 @@ Exit status: 0 all passed, 1 a test failed, 2 bad request or missing resources.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import re
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -26,6 +28,7 @@ from pytest_linattn.suites import Suite, SuiteConfigError, find_root, load_suite
 
 COMMAND = "/rerun-test"
 MAX_FILES = 20
+INTERRUPT_GRACE_S = 120  # how long an interrupted pytest gets to stop its ranks and write its report
 OK, FAILED, BAD_REQUEST = 0, 1, 2
 # Only characters that a test path needs: no quotes, $, `, ;, |, &, spaces, globs or node ids.
 _SAFE = re.compile(r"^[A-Za-z0-9_./-]+$")
@@ -160,10 +163,11 @@ class SuiteResult:
     skipped: int = 0
     failures: list[tuple[str, str]] = field(default_factory=list)  # (test, first error line)
     has_report: bool = False
+    interrupted: bool = False
 
     @property
     def ok(self) -> bool:
-        return self.returncode == 0 and not self.failed and not self.errors
+        return self.returncode == 0 and not self.failed and not self.errors and not self.interrupted
 
 
 def read_junit(xml_path: Path, result: SuiteResult) -> SuiteResult:
@@ -173,7 +177,9 @@ def read_junit(xml_path: Path, result: SuiteResult) -> SuiteResult:
     except (OSError, ET.ParseError):
         return result
     result.has_report = True
-    for case in tree.iter("testcase"):
+    # an interrupted pytest writes the test it was stopped in as a nameless testcase: not a result
+    cases = [case for case in tree.iter("testcase") if case.get("name")]
+    for case in cases:
         test = f"{case.get('classname', '')}::{case.get('name', '')}".lstrip(":")
         bad = case.find("failure")
         kind = "failed"
@@ -211,9 +217,38 @@ def run_suite(suite: Suite, files: list[str], root: Path, out: Path) -> SuiteRes
     xml = out / f"{suite.name}.xml"
     xml.unlink(missing_ok=True)  # never report a previous run's results
     start = time.monotonic()
-    proc = subprocess.run(pytest_command(suite, files, out), cwd=root)  # a list: no shell
-    result = SuiteResult(suite.name, files, proc.returncode, time.monotonic() - start)
+    # a list: no shell; its own process group, so a signal to ours (Ctrl-C, `timeout`) reaches
+    # pytest only as the SIGINT forwarded below
+    proc = subprocess.Popen(pytest_command(suite, files, out), cwd=root, process_group=0,
+                            preexec_fn=_child_signals)
+    interrupted = False
+    try:
+        proc.wait()
+    except KeyboardInterrupt:
+        # Cancelled (Ctrl-C, or SIGTERM from a CI timeout): pytest stops at the running test on
+        # SIGINT and still writes its JUnit report, so the summary keeps what finished.
+        interrupted = True
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=INTERRUPT_GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    result = SuiteResult(suite.name, files, proc.returncode, time.monotonic() - start, interrupted=interrupted)
     return read_junit(xml, result)
+
+
+def _child_signals() -> None:
+    # SIGINT may be ignored where we run (a background job of a script): pytest needs it to stop
+    # cleanly. PR_SET_PDEATHSIG: pytest (and through theirs its ranks) die if we are killed.
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+
+
+def _raise_keyboard_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 # --- the summary posted on the pull request ---
@@ -226,7 +261,8 @@ def summary_markdown(results: list[SuiteResult]) -> str:
     passed = sum(r.passed for r in results)
     failed = sum(r.failed + r.errors for r in results)
     total_s = sum(r.seconds for r in results)
-    verdict = "passed" if all(r.ok for r in results) else "failed"
+    verdict = ("interrupted" if any(r.interrupted for r in results)
+               else "passed" if all(r.ok for r in results) else "failed")
     lines = [f"### {COMMAND} {verdict}: {passed} passed, {failed} failed in {total_s:.1f} s", "",
              "| suite | files | passed | failed | errors | skipped | time |",
              "|---|---|---:|---:|---:|---:|---:|"]
@@ -234,11 +270,15 @@ def summary_markdown(results: list[SuiteResult]) -> str:
         files = "<br>".join(f"`{_cell(f)}`" for f in r.files)
         failed_cell = str(r.failed) if r.has_report else f"no report (pytest exit {r.returncode})"
         lines.append(f"| {r.suite} | {files} | {r.passed} | {failed_cell} | {r.errors} | {r.skipped} "
-                     f"| {r.seconds:.1f} s |")
+                     f"| {r.seconds:.1f} s{' (interrupted)' * r.interrupted} |")
     bad = [(r.suite, t, e) for r in results for t, e in r.failures]
     if bad:
         lines += ["", "**Failing tests**", ""]
         lines += [f"- `{_cell(t)}` ({s}): `{_cell(e)[:200]}`" for s, t, e in bad]
+    for r in results:
+        if r.interrupted:
+            lines += ["", f"Suite {r.suite} was interrupted: the test running then is not counted, "
+                          "later tests and suites did not run."]
     return "\n".join(lines) + "\n"
 
 
@@ -290,14 +330,21 @@ def main(argv: list[str] | None = None) -> int:
         return BAD_REQUEST
 
     results = []
-    for name, files in groups.items():
-        n = len(files)
-        print(f"Running {n} file{'s' * (n != 1)} whose home suite is {name}", flush=True)
-        cmd = pytest_command(suites[name], files, out)
-        if args.dry_run:
-            print(f"  (in {root}) {shlex.join(cmd)}", flush=True)
-            continue
-        results.append(run_suite(suites[name], files, root, out))
+    # a cancelled job (SIGTERM) is handled like Ctrl-C: summarise what ran
+    previous_handler = signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    try:
+        for name, files in groups.items():
+            n = len(files)
+            print(f"Running {n} file{'s' * (n != 1)} whose home suite is {name}", flush=True)
+            cmd = pytest_command(suites[name], files, out)
+            if args.dry_run:
+                print(f"  (in {root}) {shlex.join(cmd)}", flush=True)
+                continue
+            results.append(run_suite(suites[name], files, root, out))
+            if results[-1].interrupted:
+                break  # the remaining suites are not run; the summary lists what did
+    finally:
+        signal.signal(signal.SIGTERM, previous_handler)
     if args.dry_run:
         return OK
     text = summary_markdown(results)

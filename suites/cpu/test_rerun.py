@@ -5,8 +5,11 @@ never recurse into this file or the real suites.
 """
 from __future__ import annotations
 
+import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -258,6 +261,29 @@ def test_end_to_end_pass_then_fail(root, capfd):
     summary = (root / "out/summary.md").read_text()
     assert "### /rerun-test failed: 3 passed, 1 failed" in summary
     assert "`suites.cpu.test_fails::test_bad` (cpu): `AssertionError: sharded output differs`" in summary
+
+
+def test_cancelled_run_summarises_what_finished(root):
+    # SIGTERM (a cancelled CI job, `timeout`) reaches linattn-rerun while a test runs: pytest is
+    # interrupted, still writes its report, and the summary keeps the finished test
+    started = root / "slow_started"
+    (root / "suites/cpu/test_slow.py").write_text(
+        "import pathlib, time\n"
+        "def test_quick():\n    pass\n"
+        f"def test_slow():\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(120)\n")
+    proc = subprocess.Popen([sys.executable, "-m", "pytest_linattn.rerun", "--root", str(root),
+                             "--out", str(root / "out"), "suites/cpu/test_slow.py"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 1, out
+    summary = (root / "out/summary.md").read_text()
+    assert summary.startswith("### /rerun-test interrupted: 1 passed, 0 failed"), summary
+    assert "(interrupted)" in summary
+    assert "Suite cpu was interrupted: the test running then is not counted" in summary
 
 
 # --- the suite config itself ---

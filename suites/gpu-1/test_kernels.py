@@ -34,6 +34,11 @@ DEVICE = "cuda"
 
 pytestmark = pytest.mark.gpus(1)
 
+# (key heads, value heads) with dk 64, dv 128: the GPU layer suites' replicated layer and its TP=2
+# shard (layer_parity.gpu_config). fla autotunes per head shape, so sharing them lets one machine
+# tune each kernel twice, not once per test.
+HEADS = [(4, 8), (2, 4)]
+
 FACTS = selection.read_facts()
 CAUSAL_CONV1D_BWD = FACTS.causal_conv1d_bwd_importable
 GDN_BWD_REFUSED = selection.choose_gdn_route(FACTS).value == "kda"
@@ -80,7 +85,7 @@ def test_short_conv_backend_matches_reference(backend):
 
 # ---- KDA and gated delta rule -------------------------------------------------------------
 
-def delta_inputs(per_channel_gate, H, HV, K=64, V=64):
+def delta_inputs(per_channel_gate, H, HV, K=64, V=128):
     gen = torch.Generator().manual_seed(SEED + HV)
     T, N = CU_SEQLENS[-1], len(CU_SEQLENS) - 1
     gate_shape = (1, T, HV, K) if per_channel_gate else (1, T, HV)
@@ -116,18 +121,18 @@ def check_delta_rule(op, ours, ref, cotangents, backward=True, **kwargs):
         assert_parity(grad, grad_ref, rtol=RTOL, name=f"{label} {name}")
 
 
-@pytest.mark.parametrize("H, HV", [(4, 4), (2, 4)])
+@pytest.mark.parametrize("H, HV", HEADS)
 def test_kda_matches_reference(H, HV):
     check_delta_rule("kda", *delta_inputs(True, H, HV))
 
 
-@pytest.mark.parametrize("H, HV", [(4, 4), (2, 4)])
+@pytest.mark.parametrize("H, HV", HEADS)
 def test_gdn_kda_route_matches_reference(H, HV):
     # the route used where fla refuses GDN's backward; correct everywhere chunk_kda runs
     check_delta_rule("gated_delta_rule", *delta_inputs(False, H, HV), route="kda")
 
 
-@pytest.mark.parametrize("H, HV", [(4, 4), (2, 4)])
+@pytest.mark.parametrize("H, HV", HEADS)
 def test_gdn_direct_route_matches_reference(H, HV):
     # where fla refuses the backward (Hopper, Triton in [3.4.0, 3.7.1), no TileLang) only the
     # forward is checked: that is what the kda route exists for
@@ -144,7 +149,7 @@ def test_gdn_default_route_runs_backward():
 def test_gdn_direct_backward_is_refused_where_selection_says_so():
     if not GDN_BWD_REFUSED:
         pytest.skip("fla allows GDN's backward on this machine")
-    ours, _, cotangents = delta_inputs(False, 4, 4)
+    ours, _, cotangents = delta_inputs(False, *HEADS[0])
     cu = torch.tensor(CU_SEQLENS, device=DEVICE)
     o, s = kernels.gated_delta_rule(*ours[:5], initial_state=ours[5], output_final_state=True, cu_seqlens=cu,
                                     route="gated_delta_rule")
