@@ -5,6 +5,9 @@
 #   usage: .ci/gpu.sh suites/gpu-1/test_x.py suites/gpu-2/test_y.py ...
 #   env:   LINATTN_GPU_BUDGET  seconds the test runs may take (default 450); then they are
 #          interrupted (SIGTERM: linattn-rerun summarises what finished) and the cache is saved.
+#          LINATTN_GPU_WITH    a command run beside the tests in the same environment (e.g.
+#          ".ci/gpu-bench.sh warm"), waited for before the cache is saved.
+#          With no files, only that command runs (".ci/gpu-bench.sh run": the benchmarks).
 # Writes to $OUT: summary.md (every suite's), logs.tgz (pytest output, JUnit XML, the machine),
 # triton-cache.tgz.* (the next call's cache: copy them into .triton-cache/ and carry that folder).
 set -uo pipefail
@@ -24,6 +27,10 @@ if compgen -G ".triton-cache/triton-cache.tgz.*" >/dev/null; then
 fi
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$LOGS/machine.txt"
 
+with_pid=""
+if [ -n "${LINATTN_GPU_WITH:-}" ]; then
+  timeout -k 20 "$BUDGET" bash -c "$LINATTN_GPU_WITH" > "$LOGS/with.log" 2>&1 & with_pid=$!
+fi
 declare -A files_of
 for f in "$@"; do suite=$(basename "$(dirname "$f")"); files_of[$suite]+="$f "; done
 pids=()
@@ -37,8 +44,9 @@ for suite in "${!files_of[@]}"; do
 done
 rc=0
 for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
+[ -n "$with_pid" ] && { wait "$with_pid" || rc=1; }
 cat "$LOGS"/*/summary.md > "$OUT/summary.md" 2>/dev/null
-tail -n 25 "$LOGS"/*.log
+tail -n 25 "$LOGS"/gpu-*.log 2>/dev/null; [ -n "$with_pid" ] && tail -n 80 "$LOGS/with.log"
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 # Only what a cache hit reads (metadata JSON, cubins, autotune results): the IR files are most
 # of the bytes, and the parts must fit the carry limit.
@@ -46,5 +54,5 @@ find "$TRITON_CACHE_DIR" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '
   -o -name '*.source' \) -delete
 tar -czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz."
 du -ch "$OUT"/triton-cache.tgz.* | tail -1
-cat "$OUT/summary.md"
+cat "$OUT/summary.md" 2>/dev/null
 exit "$rc"
