@@ -9,7 +9,8 @@
 #          ".ci/gpu-bench.sh warm"), waited for before the cache is saved.
 #          With no files, only that command runs (".ci/gpu-bench.sh run": the benchmarks).
 # Writes to $OUT: summary.md (every suite's), logs.tgz (pytest output, JUnit XML, the machine),
-# triton-cache.tgz.* (the next call's cache: copy them into .triton-cache/ and carry that folder).
+# triton-cache.txz.* (the next call's cache: copy them into .triton-cache/ and carry that folder;
+# LINATTN_SAVE_CACHE=0 skips it).
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
 BUDGET=${LINATTN_GPU_BUDGET:-450}
@@ -22,8 +23,11 @@ export PYTHONPATH=/tmp/site:$PWD PYTEST_PLUGINS=pytest_linattn PYTHONUNBUFFERED=
 # and autotune results live in one cache dir, seeded from the previous call's parts.
 export TRITON_CACHE_AUTOTUNING=1 TRITON_CACHE_DIR=/tmp/triton-cache
 mkdir -p "$TRITON_CACHE_DIR"
-if compgen -G ".triton-cache/triton-cache.tgz.*" >/dev/null; then
-  cat .triton-cache/triton-cache.tgz.* | tar -xzf - -C "$TRITON_CACHE_DIR" && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) restored"
+if [ -z "$(ls -A "$TRITON_CACHE_DIR")" ] && compgen -G ".triton-cache/triton-cache.txz*" >/dev/null; then
+  cat .triton-cache/triton-cache.txz* \
+    | python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)" \
+    | tar -xf - -C "$TRITON_CACHE_DIR" \
+    && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) restored"
 fi
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$LOGS/machine.txt"
 
@@ -49,10 +53,12 @@ cat "$LOGS"/*/summary.md > "$OUT/summary.md" 2>/dev/null
 tail -n 25 "$LOGS"/gpu-*.log 2>/dev/null; [ -n "$with_pid" ] && tail -n 80 "$LOGS/with.log"
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
 # Only what a cache hit reads (metadata JSON, cubins, autotune results): the IR files are most
-# of the bytes, and the parts must fit the carry limit.
-find "$TRITON_CACHE_DIR" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
-  -o -name '*.source' \) -delete
-tar -czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tgz."
-du -ch "$OUT"/triton-cache.tgz.* | tail -1
+# of the bytes. xz shrinks the cubins about 14x (gzip 4x), so the cache fits the carry limit.
+if [ "${LINATTN_SAVE_CACHE:-1}" = 1 ]; then
+  find "$TRITON_CACHE_DIR" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
+    -o -name '*.source' \) -delete
+  tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -9 | split -b 15M - "$OUT/triton-cache.txz."
+  du -ch "$OUT"/triton-cache.txz.* | tail -1
+fi
 cat "$OUT/summary.md" 2>/dev/null
 exit "$rc"

@@ -25,11 +25,14 @@ def fla_context(ctx, conv1d_kernel_size: int | None = None, device=None):
     """The fla CP context of ``ctx``'s contiguous piece (cached on ``ctx``)."""
     key = ("fla", conv1d_kernel_size, str(device))
     if key not in ctx._cache:
+        import torch.distributed as dist
         from fla.ops.cp import build_cp_context
 
         cu_global = ctx.cu_seqlens.to(device=device, dtype=torch.int32)
+        # fla needs the group itself; ours means the default group by None
+        group = dist.group.WORLD if ctx.group is None else ctx.group
         ctx._cache[key] = build_cp_context(
-            cu_global, group=ctx.group, conv1d_kernel_size=conv1d_kernel_size,
+            cu_global, group=group, conv1d_kernel_size=conv1d_kernel_size,
             cu_seqlens_cpu=ctx.cu_seqlens, layout="contiguous",
         )
     return ctx._cache[key]
