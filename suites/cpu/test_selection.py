@@ -32,8 +32,8 @@ def test_conv_bad_env_names_allowed_values(bad):
         choose_short_conv_backend(Facts(**HOPPER, env={"FLA_CONV_BACKEND": bad}))
 
 
-def test_conv_mix_when_cuda_backward_imports():
-    assert choose_short_conv_backend(Facts(**HOPPER, causal_conv1d_bwd_importable=True)).value == "mix"
+def test_conv_cuda_when_causal_conv1d_imports():
+    assert choose_short_conv_backend(Facts(**HOPPER, causal_conv1d_bwd_importable=True)).value == "cuda"
 
 
 def test_conv_triton_when_causal_conv1d_missing():
@@ -41,7 +41,7 @@ def test_conv_triton_when_causal_conv1d_missing():
 
 
 def test_conv_torch_on_cpu_only():
-    # an importable package without CUDA does not make mix usable
+    # an importable package without CUDA does not make its CUDA kernels usable
     assert choose_short_conv_backend(Facts(causal_conv1d_bwd_importable=True)).value == "torch"
 
 
