@@ -406,15 +406,27 @@ def print_table(rows: list[dict], columns: list[tuple]) -> None:
         print("  ".join(v.rjust(w) for v, w in zip(row, widths)), flush=True)
 
 
-def finish(bench: str, args, rows: list[dict], extra: dict | None = None) -> dict:
-    """Write --json and --plot outputs; returns the payload."""
+def _payload(bench: str, args, rows: list[dict], extra: dict | None, complete: bool) -> dict:
     payload = {"bench": bench, "command": " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
-               "machine": machine(args.device), "selection": selection_choices(),
+               "complete": complete, "machine": machine(args.device), "selection": selection_choices(),
                "args": {k: v for k, v in vars(args).items() if not k.endswith("_list")},
                "rows": rows, **(extra or {})}
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(payload, indent=1) + "\n")
+    return payload
+
+
+def checkpoint(bench: str, args, rows: list[dict]) -> None:
+    """Write --json with the rows so far ("complete": false): a run cut short (a time limit, a
+    crash) keeps every row it measured."""
+    _payload(bench, args, rows, None, complete=False)
+
+
+def finish(bench: str, args, rows: list[dict], extra: dict | None = None) -> dict:
+    """Write --json and --plot outputs; returns the payload."""
+    payload = _payload(bench, args, rows, extra, complete=True)
+    if args.json:
         print(f"wrote {args.json}")
     if args.plot:
         try:

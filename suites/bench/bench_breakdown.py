@@ -25,9 +25,9 @@ import sys
 
 import torch
 
-from _common import (Ranks, add_common_args, build_case, finish, first_line, fmt, free_memory, is_oom,
-                     measure, parallel_groups, parse_ints, print_table, resolve_args, time_layer_step,
-                     tokens_label)
+from _common import (Ranks, add_common_args, build_case, checkpoint, finish, first_line, fmt, free_memory,
+                     is_oom, measure, parallel_groups, parse_ints, print_table, resolve_args,
+                     time_layer_step, tokens_label)
 
 DEFAULTS = dict(shapes="prod", tokens="16k,64k", iters=10, warmup=3, tp="1", cp="1")
 QUICK = dict(shapes="kimi-k3,qwen3-next")
@@ -158,8 +158,10 @@ def main(argv=None) -> None:
                         row["verdict"] = "ok" if row["glue_pct"] <= GLUE_LIMIT else "MISS"
                     rows.append(row)
                     if ranks.is_main:
-                        print(f"  {shape} {tokens_label(T)} tp{tp} cp{cp}: {row['status']} {fmt(row.get('ms'))} ms, "
-                              f"glue {fmt(row.get('glue_pct'), '.1f')}%", flush=True)
+                        parts = ", ".join(f"{p} {fmt(row.get(p))}" for p in PARTS)
+                        print(f"  {shape} {tokens_label(T)} tp{tp} cp{cp}: {row['status']} {fmt(row.get('ms'))} ms "
+                              f"({parts}), glue {fmt(row.get('glue_pct'), '.1f')}%", flush=True)
+                        checkpoint("breakdown", args, rows)
     if not ranks.is_main:
         return
     for r in rows:

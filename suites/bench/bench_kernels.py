@@ -21,8 +21,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from _common import (DTYPES, add_common_args, finish, first_line, fmt, free_memory, is_oom, make_config,
-                     measure, print_table, resolve_args, tokens_label, cu_seqlens)
+from _common import (DTYPES, add_common_args, checkpoint, cu_seqlens, finish, first_line, fmt, free_memory,
+                     is_oom, make_config, measure, print_table, resolve_args, tokens_label)
 
 DEFAULTS = dict(shapes="prod", tokens="4k,16k,64k", iters=10, warmup=3, tp="1")
 QUICK = dict(tokens="16k")
@@ -145,6 +145,7 @@ def main(argv=None) -> None:
                         rows.append(row)
                         print(f"  {shape} tp{tp} {tokens_label(T)} {op} {backend}: {row['status']} "
                               f"{fmt(row.get('ms'), '.3f')} ms", flush=True)
+                        checkpoint("kernels", args, rows)
                     del inputs, kwargs, cotangent
                     free_memory()
     for r in rows:

@@ -21,7 +21,7 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from _common import (Ranks, add_common_args, build_case, finish, first_line, fmt, free_memory, is_oom,
+from _common import (Ranks, add_common_args, build_case, checkpoint, finish, first_line, fmt, free_memory, is_oom,
                      parallel_groups, parse_ints, print_table, resolve_args, time_layer_step, tokens_label)
 
 DEFAULTS = dict(shapes="prod", tokens="4k,8k,16k,32k,64k", iters=10, warmup=3, tp="1,2", cp="1,2")
@@ -133,7 +133,9 @@ def main(argv=None) -> None:
                     rows.append(row)
                     if ranks.is_main:
                         print(f"  {shape} {tokens_label(T)} tp{tp} cp{cp}: {row['status']} "
-                              f"{fmt(row.get('ms'), '.3f')} ms", flush=True)
+                              f"{fmt(row.get('ms'), '.3f')} ms, peak {fmt(row.get('peak_gib'))} GiB, "
+                              f"err y {fmt(row.get('err_y'), '.1e')}, dx {fmt(row.get('err_dx'), '.1e')}", flush=True)
+                        checkpoint("layers", args, rows)
     if not ranks.is_main:
         return
     for r in rows:

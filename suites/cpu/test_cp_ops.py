@@ -190,3 +190,31 @@ def test_bad_inputs_raise():
         ctx.to_contiguous(torch.zeros(1, 5, 2))
     with pytest.raises(ValueError, match="one shard per rank"):
         cp.cp_unshard([q], _cu([8]), 2)
+
+
+def test_fla_context_gets_the_default_group_for_none(tmp_path, monkeypatch):
+    # fla's build_cp_context asserts a group; ours means the default group by None (this bug
+    # reached the GPU suite once). fla itself is replaced: importing it costs seconds on a CPU.
+    import sys
+    import types
+
+    import torch.distributed as dist
+
+    from linattn.parallel import cp_fla
+
+    seen = {}
+
+    def build_cp_context(cu_seqlens, group=None, **kwargs):
+        seen.update(group=group, **kwargs)
+        return "fla-context"
+
+    fake = types.ModuleType("fla.ops.cp")
+    fake.build_cp_context = build_cp_context
+    monkeypatch.setitem(sys.modules, "fla.ops.cp", fake)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        ctx = cp.build_context(torch.tensor([0, 3, 8]), 8, None, "contiguous")
+        assert cp_fla.fla_context(ctx, conv1d_kernel_size=4) == "fla-context"
+        assert seen["group"] is dist.group.WORLD and seen["conv1d_kernel_size"] == 4
+    finally:
+        dist.destroy_process_group()
