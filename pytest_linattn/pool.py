@@ -197,16 +197,22 @@ class _FileAwareUnpickler(pickle.Unpickler):
 # the rank side
 
 
-def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
-    # PR_SET_PDEATHSIG: the kernel kills us when the parent dies (even by SIGKILL). It tracks the
-    # parent *thread*, so it is only set when the pool was started from the main thread; the
-    # polling thread covers every other case (and non-Linux).
-    if use_pdeathsig and sys.platform.startswith("linux"):
+def set_parent_death_signal(sig: int) -> None:
+    """PR_SET_PDEATHSIG: the kernel sends `sig` to this process when its parent dies (even by
+    SIGKILL). Linux only, best effort. It tracks the parent *thread*."""
+    if sys.platform.startswith("linux"):
         try:
-            libc = ctypes.CDLL(None, use_errno=True)
-            libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+            ctypes.CDLL(None, use_errno=True).prctl(1, sig, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
         except Exception:
             pass
+
+
+def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
+    # Killed with the parent; as PR_SET_PDEATHSIG tracks the parent thread, it is only set when
+    # the pool was started from the main thread; the polling thread covers every other case
+    # (and non-Linux).
+    if use_pdeathsig:
+        set_parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent_pid:
         os._exit(1)
 

@@ -12,7 +12,6 @@ Exit status: 0 all passed, 1 a test failed, 2 bad request or missing resources.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import os
 import re
 import shlex
@@ -24,6 +23,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from pytest_linattn.pool import set_parent_death_signal
 from pytest_linattn.suites import Suite, SuiteConfigError, find_root, load_suites
 
 COMMAND = "/rerun-test"
@@ -243,8 +243,7 @@ def _child_signals() -> None:
     # SIGINT may be ignored where we run (a background job of a script): pytest needs it to stop
     # cleanly. PR_SET_PDEATHSIG: pytest (and through theirs its ranks) die if we are killed.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None).prctl(1, signal.SIGTERM, 0, 0, 0)  # 1 = PR_SET_PDEATHSIG
+    set_parent_death_signal(signal.SIGTERM)
 
 
 def _raise_keyboard_interrupt(signum, frame):
