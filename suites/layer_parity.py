@@ -51,10 +51,16 @@ def make_config(family, ratio):
                                  head_k_dim=8, head_v_dim=6, conv_size=4, norm_eps=1e-5, **extra)
 
 
-def gpu_config(family, ratio=2, **extra):
-    """The GPU suites' layer: fla-sized heads (dk 64, dv 128), 4 key heads."""
-    return LinearAttentionConfig(family, hidden_size=256, num_k_heads=4, num_v_heads=4 * ratio,
-                                 head_k_dim=64, head_v_dim=128, conv_size=4, **extra)
+# The head shape of every GPU suite (key heads, value heads, dk, dv): fla autotunes per head shape,
+# so one shape (and its TP=2 shard) lets a fresh machine tune each kernel twice, not per test.
+GPU_HEADS = (4, 8, 64, 128)
+
+
+def gpu_config(family, ratio=GPU_HEADS[1] // GPU_HEADS[0], **extra):
+    """The GPU suites' layer: GPU_HEADS (`ratio` value heads per key head)."""
+    H, _, K, V = GPU_HEADS
+    return LinearAttentionConfig(family, hidden_size=256, num_k_heads=H, num_v_heads=H * ratio,
+                                 head_k_dim=K, head_v_dim=V, conv_size=4, **extra)
 
 
 def random_state_dict(config, seed, *, fla_init=False, round_to=None):
@@ -229,8 +235,7 @@ def error_of(fn):
 
 # The single-device bf16 cases (gpu-1 on fla's kernels; cpu as its proxy on the torch kernels).
 BF16_CU_SEQLENS = [0, 1, 130, 300, 515]  # one single-token sequence, one crossing fla's 64-token chunks
-# All GVA 2 with 4 key heads: fla autotunes per head shape, and one shape for every GPU case lets
-# a fresh machine tune each kernel once (GVA 1 and 3 are covered on the CPU).
+# All on GPU_HEADS (GVA 1 and 3 are covered on the CPU).
 BF16_CASES = {
     # name: (family, v heads per k head, config options)
     "qwen3_next-gva2": ("qwen3_next", 2, {}),

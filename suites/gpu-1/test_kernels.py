@@ -13,18 +13,9 @@ if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
 
+from layer_parity import GPU_HEADS  # noqa: E402
 from linattn import kernels, reference, selection  # noqa: E402
-
-try:
-    from pytest_linattn import assert_parity
-except ImportError:
-    def assert_parity(actual, expected, *, rtol, name="output"):
-        """Relative Frobenius error per tensor, in float64; NaN or Inf never passes."""
-        a, e = actual.detach().double().cpu(), expected.detach().double().cpu()
-        assert a.shape == e.shape, f"{name}: shape {tuple(a.shape)} != {tuple(e.shape)}"
-        assert torch.isfinite(a).all(), f"{name}: non-finite values in the kernel's result"
-        err = ((a - e).norm() / e.norm()).item()
-        assert err <= rtol, f"{name}: relative error {err:.3e} > {rtol:g}"
+from pytest_linattn import assert_parity  # noqa: E402
 
 SEED = 2026
 RTOL = 2e-2
@@ -34,10 +25,10 @@ DEVICE = "cuda"
 
 pytestmark = pytest.mark.gpus(1)
 
-# (key heads, value heads) with dk 64, dv 128: the GPU layer suites' replicated layer and its TP=2
-# shard (layer_parity.gpu_config). fla autotunes per head shape, so sharing them lets one machine
-# tune each kernel twice, not once per test.
-HEADS = [(4, 8), (2, 4)]
+# (key heads, value heads): the GPU layer suites' replicated layer and its TP=2 shard, so the
+# kernels tune for the shapes those suites run (layer_parity.GPU_HEADS)
+H_FULL, HV_FULL, K_DIM, V_DIM = GPU_HEADS
+HEADS = [(H_FULL, HV_FULL), (H_FULL // 2, HV_FULL // 2)]
 
 FACTS = selection.read_facts()
 CAUSAL_CONV1D_BWD = FACTS.causal_conv1d_bwd_importable
@@ -85,7 +76,7 @@ def test_short_conv_backend_matches_reference(backend):
 
 # ---- KDA and gated delta rule -------------------------------------------------------------
 
-def delta_inputs(per_channel_gate, H, HV, K=64, V=128):
+def delta_inputs(per_channel_gate, H, HV, K=K_DIM, V=V_DIM):
     gen = torch.Generator().manual_seed(SEED + HV)
     T, N = CU_SEQLENS[-1], len(CU_SEQLENS) - 1
     gate_shape = (1, T, HV, K) if per_channel_gate else (1, T, HV)

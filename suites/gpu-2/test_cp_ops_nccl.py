@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from cp_op_parity import DELTA_RULES as OPS, reference_case
+from layer_parity import GPU_HEADS
 from linattn.parallel import cp
 from pytest_linattn.parity import assert_parity
 from pytest_linattn.seqlens import packed_seqlens
@@ -20,9 +21,8 @@ pytestmark = pytest.mark.gpus(2)
 RTOL = 2e-2
 T = 512
 W, D = 4, 128
-# GVA 2, the head shape of every GPU suite (layer_parity.gpu_config): fla autotunes per head shape,
-# and the CP layer tests have already tuned the CP kernels for this one
-H, HV, K, V = 4, 8, 64, 128
+# the head shape of every GPU suite: the CP layer tests have already tuned the CP kernels for it
+H, HV, K, V = GPU_HEADS
 
 
 def _cases(cp_size):
