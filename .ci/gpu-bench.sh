@@ -1,39 +1,42 @@
 #!/usr/bin/env bash
 # The benchmarks on a lent H200 machine (the GPU kit installed and the Triton cache restored by
 # .ci/gpu.sh's environment below). Two modes:
-#   warm  fill the autotune cache for the production shapes: one bench_kernels.py process per shape
-#         (TP 1 and 2 head shards, 16k tokens), side by side over the GPUs. Run beside the tests
-#         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...), so the timed call compiles little.
-#   run   the layer table (TP/CP 1 and 2), the breakdown and the kernel table; JSON and logs in
-#         $OUT/bench.tgz (plots, anywhere: python suites/bench/_common.py plot JSON... --out DIR).
+#   warm  fill the Triton cache (compile + autotune) for every kernel the tables call: the layer
+#         table's rows, one iteration each, one world of 2 ranks per shape side by side, each with
+#         its own GPU-lock dir so they neither wait for each other nor for the tests beside them
+#         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...). The breakdown and the kernel
+#         table call the same kernels on the same shapes. Configs picked while the GPUs are shared
+#         may not be the fastest; the timed call then measures those.
+#   run   the layer table (TP/CP 1 and 2, 2 GPUs), then the breakdown (GPU 0) beside the kernel
+#         table (GPU 1); JSON and logs in $OUT/bench.tgz (plots, anywhere:
+#         python suites/bench/_common.py plot JSON... --out DIR).
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
 B=suites/bench
+TOKENS=4k,16k,64k
 case "${1:-}" in
 warm)
-  LOGS=/tmp/linattn-logs/warm; mkdir -p "$LOGS"; i=0
-  gpus=$(nvidia-smi -L | wc -l)
-  for shape in kimi-k3 glm-5.3-flash qwen3-next; do
-    CUDA_VISIBLE_DEVICES=$((i++ % gpus)) python3 $B/bench_kernels.py --shapes "$shape" --tp 1,2 --tokens 16k \
-      --iters 1 --warmup 1 > "$LOGS/$shape.log" 2>&1 &
+  LOGS=/tmp/linattn-logs/warm; mkdir -p "$LOGS"
+  for shape in qwen3-next glm-5.3-flash kimi-k3; do
+    PYTEST_LINATTN_LOCK_DIR=/tmp/warm-locks-$shape python3 $B/bench_layers.py --shapes "$shape" --tp 1,2 --cp 1,2 \
+      --world 2 --tokens $TOKENS --iters 1 --warmup 0 --no-check > "$LOGS/$shape.log" 2>&1 &
   done
   wait
-  tail -n 3 "$LOGS"/*.log ;;
+  tail -n 12 "$LOGS"/*.log ;;
 run)
-  # One stage per table, most wanted first, each within its limit (seconds) so a slow stage
-  # (a shape whose kernels are not in the cache autotunes in its warm-up) cannot starve the rest.
+  # One stage per table, each within its limit (seconds), so a slow stage (kernels absent from
+  # the cache autotune in their warm-up) cannot starve the rest; JSON is written after every row.
   R=/tmp/linattn-bench; mkdir -p "$R"
   stage() {  # name limit script args...
     local name=$1 limit=$2; shift 2
-    echo "== $name (limit ${limit} s): $*"
-    timeout -k 15 "$limit" python3 "$B/$@" --json "$R/$name.json" > "$R/$name.log" 2>&1; echo "rc=$?" >> "$R/$name.log"
-    cat "$R/$name.log"
+    echo "== $name (limit ${limit} s): $*" > "$R/$name.log"
+    timeout -k 15 "$limit" python3 "$B/$@" --json "$R/$name.json" >> "$R/$name.log" 2>&1; echo "rc=$?" >> "$R/$name.log"
   }
-  stage layers_tp1 110 bench_layers.py --tp 1 --cp 1 --tokens 4k,16k,64k
-  stage breakdown 75 bench_breakdown.py --tokens 16k,64k
-  stage kernels 80 bench_kernels.py --tp 1 --tokens 4k,16k,64k
-  stage layers_cp2 70 bench_layers.py --tp 1 --cp 2 --tokens 16k
-  stage layers_tp2 70 bench_layers.py --tp 2 --cp 1 --tokens 16k --shapes qwen3-next
+  stage layers "${LINATTN_LAYERS_LIMIT:-270}" bench_layers.py --tp 1,2 --cp 1,2 --world 2 --tokens $TOKENS
+  CUDA_VISIBLE_DEVICES=0 stage breakdown "${LINATTN_BREAKDOWN_LIMIT:-200}" bench_breakdown.py --tokens 16k,64k &
+  CUDA_VISIBLE_DEVICES=1 stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 30 &
+  wait
+  cat "$R"/layers.log "$R"/breakdown.log "$R"/kernels.log
   tar -czf "$OUT/bench.tgz" -C "$R" . ;;
 *) echo "usage: .ci/gpu-bench.sh warm|run" >&2; exit 2 ;;
 esac
