@@ -4,8 +4,8 @@
 #   warm  fill the Triton cache (compile + autotune) for every kernel the tables call: the layer
 #         table's rows, one iteration each, one world of 2 ranks per shape side by side, each with
 #         its own GPU-lock dir so they neither wait for each other nor for the tests beside them
-#         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...). The breakdown and the kernel
-#         table call the same kernels on the same shapes. Configs picked while the GPUs are shared
+#         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...); the kernel table beside them.
+#         The breakdown calls the layer's kernels on the layer's shapes. Configs picked while the GPUs are shared
 #         may not be the fastest; the timed call then measures those.
 #   run   the layer table (TP/CP 1 and 2, 2 GPUs), then the breakdown (GPU 0) beside the kernel
 #         table (GPU 1); JSON and logs in $OUT/bench.tgz (plots, anywhere:
@@ -21,6 +21,8 @@ warm)
     PYTEST_LINATTN_LOCK_DIR=/tmp/warm-locks-$shape python3 $B/bench_layers.py --shapes "$shape" --tp 1,2 --cp 1,2 \
       --world 2 --tokens $TOKENS --iters 1 --warmup 0 --no-check > "$LOGS/$shape.log" 2>&1 &
   done
+  CUDA_VISIBLE_DEVICES=1 python3 $B/bench_kernels.py --tp 1 --tokens $TOKENS --iters 1 --warmup 0 \
+    > "$LOGS/kernels.log" 2>&1 &
   wait
   tail -n 12 "$LOGS"/*.log ;;
 run)

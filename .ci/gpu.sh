@@ -3,8 +3,12 @@
 # (.whl/, carried), then rerun the given GPU test files through linattn-rerun, one run per home
 # suite, the suites side by side (gpu-1 on the first GPU; gpu-2 leases its two through the plugin).
 #   usage: .ci/gpu.sh suites/gpu-1/test_x.py suites/gpu-2/test_y.py ...
-#   env:   LINATTN_GPU_BUDGET  seconds the test runs may take (default 450); then they are
-#          interrupted (SIGTERM: linattn-rerun summarises what finished) and the cache is saved.
+#   env:   LINATTN_GPU_LIMIT   seconds the whole call may take (default 600, the device's limit
+#          per command), counted from LINATTN_GPU_START (epoch seconds, default now: export it to
+#          chain two runs of this script under one deadline). The tests get what is left after
+#          the set-up less LINATTN_GPU_RESERVE (default 90 s: the logs and the cache save), then
+#          they are interrupted (SIGTERM: linattn-rerun summarises what finished) and the cache is
+#          saved. LINATTN_GPU_BUDGET (seconds) caps the tests' share further.
 #          LINATTN_GPU_WITH    a command run beside the tests in the same environment (e.g.
 #          ".ci/gpu-bench.sh warm"), waited for before the cache is saved.
 #          With no files, only that command runs (".ci/gpu-bench.sh run": the benchmarks).
@@ -12,8 +16,8 @@
 # triton-cache.txz.* (the next call's cache: copy them into .triton-cache/ and carry that folder;
 # LINATTN_SAVE_CACHE=0 skips it).
 set -uo pipefail
+START=${LINATTN_GPU_START:-$(date +%s)}
 OUT=${OUT:-reports/gpu}
-BUDGET=${LINATTN_GPU_BUDGET:-450}
 LOGS=/tmp/linattn-logs
 mkdir -p "$OUT" "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
@@ -30,6 +34,9 @@ if [ -z "$(ls -A "$TRITON_CACHE_DIR")" ] && compgen -G ".triton-cache/triton-cac
     && echo "triton cache: $(du -sh "$TRITON_CACHE_DIR" | cut -f1) restored"
 fi
 { nvidia-smi -L; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } | tee "$LOGS/machine.txt"
+BUDGET=$(( START + ${LINATTN_GPU_LIMIT:-600} - $(date +%s) - ${LINATTN_GPU_RESERVE:-90} ))
+[ -n "${LINATTN_GPU_BUDGET:-}" ] && [ "$LINATTN_GPU_BUDGET" -lt "$BUDGET" ] && BUDGET=$LINATTN_GPU_BUDGET
+echo "budget: $BUDGET s for the tests and the command beside them"
 
 with_pid=""
 if [ -n "${LINATTN_GPU_WITH:-}" ]; then
@@ -42,7 +49,7 @@ for suite in "${!files_of[@]}"; do
   visible=""; [ "$suite" = gpu-1 ] && visible=0
   # shellcheck disable=SC2086  # the file list splits on purpose
   ( [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES=$visible
-    timeout -s TERM -k 150 "$BUDGET" python3 -m pytest_linattn.rerun --out "$LOGS/$suite" ${files_of[$suite]} \
+    timeout -s TERM -k 30 "$BUDGET" python3 -m pytest_linattn.rerun --out "$LOGS/$suite" ${files_of[$suite]} \
       > "$LOGS/$suite.log" 2>&1 ) &
   pids+=($!)
 done
@@ -52,12 +59,14 @@ for pid in "${pids[@]}"; do wait "$pid" || rc=1; done
 cat "$LOGS"/*/summary.md > "$OUT/summary.md" 2>/dev/null
 tail -n 25 "$LOGS"/gpu-*.log 2>/dev/null; [ -n "$with_pid" ] && tail -n 80 "$LOGS/with.log"
 tar -czf "$OUT/logs.tgz" -C "$LOGS" .
-# Only what a cache hit reads (metadata JSON, cubins, autotune results): the IR files are most
-# of the bytes. xz shrinks the cubins about 14x (gzip 4x), so the cache fits the carry limit.
+# Only what a cache hit reads (metadata JSON, the autotune results, the best configs' cubins): the
+# IR files and the autotune losers are most of the bytes. xz then shrinks it about 4x (gzip 2x),
+# so the cache fits the carry limit; 32 MiB blocks let xz use every core.
 if [ "${LINATTN_SAVE_CACHE:-1}" = 1 ]; then
   find "$TRITON_CACHE_DIR" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
     -o -name '*.source' \) -delete
-  tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -9 | split -b 15M - "$OUT/triton-cache.txz."
+  python3 .ci/prune-triton-cache.py "$TRITON_CACHE_DIR"
+  tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -9 --block-size=32MiB | split -b 15M - "$OUT/triton-cache.txz."
   du -ch "$OUT"/triton-cache.txz.* | tail -1
 fi
 cat "$OUT/summary.md" 2>/dev/null
