@@ -5,10 +5,10 @@
 #         table's rows, one iteration each, one world of 2 ranks per shape side by side, each with
 #         its own GPU-lock dir so they neither wait for each other nor for the tests beside them
 #         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...); the kernel table beside them.
-#         The breakdown calls the layer's kernels on the layer's shapes. Configs picked while the GPUs are shared
-#         may not be the fastest; the timed call then measures those.
-#   run   the layer table (TP/CP 1 and 2, 2 GPUs), then the breakdown (GPU 0) beside the kernel
-#         table (GPU 1); JSON and logs in $OUT/bench.tgz (plots, anywhere:
+#         The breakdown calls the layer's kernels on the layer's shapes. Configs picked while the
+#         GPUs are shared may not be the fastest; the timed call then measures those.
+#   run   the breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table (TP/CP 1 and
+#         2, 2 GPUs); JSON and logs in $OUT/bench/ (plots, anywhere:
 #         python suites/bench/_common.py plot JSON... --out DIR).
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
@@ -26,19 +26,21 @@ warm)
   wait
   tail -n 12 "$LOGS"/*.log ;;
 run)
-  # One stage per table, each within its limit (seconds), so a slow stage (kernels absent from
-  # the cache autotune in their warm-up) cannot starve the rest; JSON is written after every row.
-  R=/tmp/linattn-bench; mkdir -p "$R"
+  # The breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table on both GPUs;
+  # shapes in the order their figures are wanted. Each stage has a limit (seconds) and writes its
+  # JSON after every row straight into $OUT/bench, so a run cut short keeps what it measured.
+  R=$OUT/bench; mkdir -p "$R"
   stage() {  # name limit script args...
     local name=$1 limit=$2; shift 2
     echo "== $name (limit ${limit} s): $*" > "$R/$name.log"
     timeout -k 15 "$limit" python3 "$B/$@" --json "$R/$name.json" >> "$R/$name.log" 2>&1; echo "rc=$?" >> "$R/$name.log"
   }
-  stage layers "${LINATTN_LAYERS_LIMIT:-270}" bench_layers.py --tp 1,2 --cp 1,2 --world 2 --tokens $TOKENS
-  CUDA_VISIBLE_DEVICES=0 stage breakdown "${LINATTN_BREAKDOWN_LIMIT:-200}" bench_breakdown.py --tokens 16k,64k &
+  CUDA_VISIBLE_DEVICES=0 stage breakdown "${LINATTN_BREAKDOWN_LIMIT:-200}" bench_breakdown.py \
+    --shapes qwen3-next,kimi-k3,glm-5.3-flash --tokens 16k,64k &
   CUDA_VISIBLE_DEVICES=1 stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 30 &
   wait
-  cat "$R"/layers.log "$R"/breakdown.log "$R"/kernels.log
-  tar -czf "$OUT/bench.tgz" -C "$R" . ;;
+  stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes qwen3-next,glm-5.3-flash,kimi-k3 \
+    --tp 1,2 --cp 1,2 --world 2 --tokens $TOKENS
+  tail -n 40 "$R"/breakdown.log "$R"/kernels.log "$R"/layers.log ;;
 *) echo "usage: .ci/gpu-bench.sh warm|run" >&2; exit 2 ;;
 esac
