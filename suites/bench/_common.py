@@ -148,46 +148,96 @@ def measure(fwd, bwd=None, *, iters: int, warmup: int, device, reset=None) -> di
     reset() runs untimed before every iteration (drop gradients). If bwd raises on the first
     iteration (not out of memory), the forward alone is timed and `bwd_error` says why.
     """
+    result = measure_interleaved({"": (fwd, bwd, reset)}, iters=iters, warmup=warmup, device=device)[""]
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def measure_interleaved(calls: dict, *, iters: int, warmup: int, device) -> dict:
+    """measure() for several callables (name -> (fwd, bwd or None, reset or None)) in rounds: each
+    of `warmup` + `iters` rounds runs one iteration of every callable, in an order rotated every
+    round, so drift (clocks, other processes, launch gaps) reaches all of them alike and their
+    ratios compare fairly. A callable whose first iteration raises is dropped and gets the
+    exception as its result; the others go on."""
     device = torch.device(device)
     cuda = device.type == "cuda"
-    marks, bwd_error = [], None
+    names = list(calls)
+    results, marks, bwd_error = {}, {n: [] for n in names}, dict.fromkeys(names)
     for i in range(warmup + iters):
-        if reset is not None:
-            reset()
-        if cuda:
-            events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            events[0].record()
-        else:
-            events = [time.perf_counter()]
-        out = fwd()
-        if cuda:
-            events[1].record()
-        else:
-            events.append(time.perf_counter())
-        if bwd is not None and bwd_error is None:
+        shift = i % len(names) if names else 0
+        for name in names[shift:] + names[:shift]:
+            fwd, bwd, reset = calls[name]
             try:
-                bwd(out)
-            except Exception as exc:  # noqa: BLE001 - a refused backward is a result, not a crash
-                if i > 0 or is_oom(exc):
+                events = _iteration(fwd, None if bwd_error[name] else bwd, reset, cuda)
+            except _RefusedBackward as refusal:
+                if i > 0:
+                    raise refusal.__cause__
+                bwd_error[name], events = first_line(refusal.__cause__), refusal.events
+            except Exception as exc:  # noqa: BLE001 - one callable fails, the others go on
+                if i > 0:
                     raise
-                bwd_error = first_line(exc)
-        if cuda:
-            events[2].record()
-        else:
-            events.append(time.perf_counter())
-        del out
-        if i >= warmup:
-            marks.append(events)
+                results[name] = exc
+                free_memory()
+                continue
+            if i >= warmup:
+                marks[name].append(events)
+        names = [n for n in names if n not in results]
     if cuda:
         torch.cuda.synchronize(device)
-        fwd_ms = [e[0].elapsed_time(e[1]) for e in marks]
-        all_ms = [e[0].elapsed_time(e[2]) for e in marks]
+    for name in names:
+        if cuda:
+            fwd_ms = [e[0].elapsed_time(e[1]) for e in marks[name]]
+            all_ms = [e[0].elapsed_time(e[2]) for e in marks[name]]
+        else:
+            fwd_ms = [(e[1] - e[0]) * 1e3 for e in marks[name]]
+            all_ms = [(e[2] - e[0]) * 1e3 for e in marks[name]]
+        both = calls[name][1] is not None and bwd_error[name] is None
+        results[name] = {"fwd_ms": statistics.median(fwd_ms), "ms": statistics.median(all_ms) if both else None,
+                         "bwd_error": bwd_error[name]}
+    return results
+
+
+class _RefusedBackward(Exception):
+    """bwd raised (not out of memory): carries the iteration's marks, the forward's being valid."""
+
+    def __init__(self, events):
+        super().__init__("backward refused")
+        self.events = events
+
+
+def _iteration(fwd, bwd, reset, cuda: bool) -> list:
+    """One timed iteration: three marks (start, forward done, backward done); CUDA events on a GPU
+    (read after one synchronize at the end), perf_counter stamps on a CPU."""
+    if reset is not None:
+        reset()
+    if cuda:
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        events[0].record()
     else:
-        fwd_ms = [(e[1] - e[0]) * 1e3 for e in marks]
-        all_ms = [(e[2] - e[0]) * 1e3 for e in marks]
-    both = bwd is not None and bwd_error is None
-    return {"fwd_ms": statistics.median(fwd_ms), "ms": statistics.median(all_ms) if both else None,
-            "bwd_error": bwd_error}
+        events = [time.perf_counter()]
+    out = fwd()
+    if cuda:
+        events[1].record()
+    else:
+        events.append(time.perf_counter())
+    if bwd is not None:
+        try:
+            bwd(out)
+        except Exception as exc:  # noqa: BLE001 - a refused backward is a result, not a crash
+            if is_oom(exc):
+                raise
+            _mark(events, cuda)
+            raise _RefusedBackward(events) from exc
+    _mark(events, cuda)
+    return events
+
+
+def _mark(events: list, cuda: bool) -> None:
+    if cuda:
+        events[2].record()
+    else:
+        events.append(time.perf_counter())
 
 
 def reset_peak(device) -> None:

@@ -11,7 +11,9 @@ Ops (the layer's two kernel call sites, at its TP-local shapes; cu_seqlens of --
 plus an `auto` row per op: the entry called without backend/route, i.e. what linattn.selection
 picked on this machine (named in the `picked` column). A backend that fails (e.g. fla refusing
 GDN's backward on Hopper with Triton 3.6) keeps its forward time and shows the error.
-Ends with the check: `auto` within 3% of the fastest backend (fwd + bwd) on every shape.
+The backends of one op and shape (the `auto` row with them) are timed in interleaved rounds, so
+drift reaches all alike. Ends with the check: `auto` within 3% of the fastest backend (fwd + bwd)
+on every shape.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from _common import (DTYPES, add_common_args, checkpoint, cu_seqlens, finish, first_line, fmt, free_memory,
-                     is_oom, make_config, measure, print_table, resolve_args, tokens_label)
+                     is_oom, make_config, measure_interleaved, print_table, resolve_args, tokens_label)
 
 DEFAULTS = dict(shapes="prod", tokens="4k,16k,64k", iters=10, warmup=3, tp="1")
 QUICK = dict(tokens="16k")
@@ -79,22 +81,27 @@ def call(op: str, backend: str | None):
     return lambda *a, **kw: kernels.gated_delta_rule(*a, route=backend, **kw)[0]
 
 
-def time_row(op, backend, inputs, kwargs, cotangent, args) -> dict:
-    fn = call(op, None if backend == "auto" or op == "kda" else backend)
-    leaves = [t.detach().requires_grad_() for t in inputs]
+def time_backends(op, names, inputs, kwargs, cotangent, args) -> dict:
+    """backend -> row fields: every backend of one op and shape timed in interleaved rounds (the
+    `auto` row against the others under the same conditions), each on its own leaf inputs."""
+    calls = {}
+    for backend in names:
+        fn = call(op, None if backend == "auto" or op == "kda" else backend)
+        leaves = [t.detach().requires_grad_() for t in inputs]
 
-    def reset():
-        for t in leaves:
-            t.grad = None
+        def reset(leaves=leaves):
+            for t in leaves:
+                t.grad = None
 
-    try:
-        t = measure(lambda: fn(*leaves, **kwargs), lambda o: o.backward(cotangent),
-                    iters=args.iters, warmup=args.warmup, device=args.device, reset=reset)
-    except Exception as exc:  # noqa: BLE001 - a failing backend is a row
-        free_memory()
-        return {"status": "OOM" if is_oom(exc) else "error", "error": None if is_oom(exc) else first_line(exc)}
-    return {"status": "ok" if t["bwd_error"] is None else "fwd only", "fwd_ms": t["fwd_ms"], "ms": t["ms"],
-            "error": t["bwd_error"]}
+        calls[backend] = (lambda fn=fn, leaves=leaves: fn(*leaves, **kwargs), lambda o: o.backward(cotangent), reset)
+    rows = {}
+    for backend, t in measure_interleaved(calls, iters=args.iters, warmup=args.warmup, device=args.device).items():
+        if isinstance(t, BaseException):  # a failing backend is a row
+            rows[backend] = {"status": "OOM" if is_oom(t) else "error", "error": None if is_oom(t) else first_line(t)}
+        else:
+            rows[backend] = {"status": "ok" if t["bwd_error"] is None else "fwd only", "fwd_ms": t["fwd_ms"],
+                             "ms": t["ms"], "error": t["bwd_error"]}
+    return rows
 
 
 def check_auto(rows: list[dict]) -> list[dict]:
@@ -138,10 +145,10 @@ def main(argv=None) -> None:
                         rows.append(dict(shape=shape, tp=tp, tokens=T, op=op, backend="-",
                                          status="OOM" if is_oom(exc) else "error", error=first_line(exc)))
                         continue
-                    for backend in backends(op, args.device) + ["auto"]:
+                    timed = time_backends(op, backends(op, args.device) + ["auto"], inputs, kwargs, cotangent, args)
+                    for backend, result in timed.items():
                         row = dict(shape=shape, tp=tp, tokens=T, op=op, backend=backend,
-                                   picked=picked(op, args.device) if backend == "auto" else None)
-                        row.update(time_row(op, backend, inputs, kwargs, cotangent, args))
+                                   picked=picked(op, args.device) if backend == "auto" else None, **result)
                         rows.append(row)
                         print(f"  {shape} tp{tp} {tokens_label(T)} {op} {backend}: {row['status']} "
                               f"{fmt(row.get('ms'), '.3f')} ms", flush=True)

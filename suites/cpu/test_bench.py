@@ -1,0 +1,96 @@
+"""The benchmark scripts on a CPU: the interleaved timer's rules, and each script end to end on the
+tiny shapes (rows, checks and JSON; no timing is asserted)."""
+
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+@pytest.fixture
+def bench(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    import _common
+
+    return _common
+
+
+def test_rounds_rotate_the_order(bench):
+    seen = []
+    calls = {name: (lambda name=name: seen.append(name), None, None) for name in "abc"}
+    bench.measure_interleaved(calls, iters=2, warmup=1, device="cpu")
+    assert seen == list("abc" "bca" "cab")
+
+
+def test_refused_backward_keeps_the_forward_and_failures_stay_rows(bench):
+    def refuse(out):
+        raise RuntimeError("backward refused here")
+
+    def broken():
+        raise ValueError("no forward")
+
+    calls = {"good": (lambda: 1, lambda out: None, None), "fwd-only": (lambda: 1, refuse, None),
+             "broken": (broken, None, None)}
+    out = bench.measure_interleaved(calls, iters=3, warmup=1, device="cpu")
+    assert out["good"]["ms"] is not None and out["good"]["bwd_error"] is None
+    assert out["fwd-only"]["ms"] is None and out["fwd-only"]["fwd_ms"] is not None
+    assert "backward refused here" in out["fwd-only"]["bwd_error"]
+    assert isinstance(out["broken"], ValueError)
+    with pytest.raises(ValueError, match="no forward"):
+        bench.measure(broken, iters=1, warmup=0, device="cpu")
+
+
+def test_a_backward_failing_later_is_an_error_not_a_row(bench):
+    count = []
+
+    def flaky(out):
+        count.append(1)
+        if len(count) > 1:
+            raise RuntimeError("second backward fails")
+
+    with pytest.raises(RuntimeError, match="second backward"):
+        bench.measure(lambda: 1, flaky, iters=2, warmup=0, device="cpu")
+
+
+def _run(script, args, tmp_path):
+    module = importlib.import_module(script)  # the bench fixture put suites/bench on sys.path
+    out = tmp_path / f"{script}.json"
+    module.main(["--device", "cpu", "--shapes", "tiny", "--tokens", "256", "--iters", "2", "--warmup", "1",
+                 "--json", str(out), *args])
+    payload = json.loads(out.read_text())
+    assert payload["complete"] is True
+    return payload
+
+
+def test_kernel_table_times_every_backend_and_judges_auto(bench, tmp_path):
+    payload = _run("bench_kernels", [], tmp_path)
+    rows = payload["rows"]
+    assert {(r["shape"], r["op"], r["backend"]) for r in rows} >= {
+        ("tiny-kda", "short_conv", "auto"), ("tiny-kda", "kda", "auto"), ("tiny-gdn", "gdn", "auto")}
+    assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
+    assert len(payload["auto_check"]) == 4 and all(v["ok"] is not None for v in payload["auto_check"])
+
+
+def test_layer_table_checks_tp_and_cp_against_the_replicated_layer(bench, tmp_path):
+    payload = _run("bench_layers", ["--tp", "1,2", "--cp", "1,2", "--world", "2"], tmp_path)
+    rows = {(r["shape"], r["tp"], r["cp"]): r for r in payload["rows"]}
+    for shape in ("tiny-kda", "tiny-gdn"):
+        assert rows[(shape, 2, 2)]["status"] == "skipped: needs 4 ranks"
+        assert rows[(shape, 1, 1)]["status"] == "ok" and rows[(shape, 1, 1)]["err_y"] is None
+        for placement in ((2, 1), (1, 2)):
+            row = rows[(shape, *placement)]
+            assert row["status"] == "ok" and row["check"] == "ok", row
+            # float32 on both sides: sharding changes only the order of the sums
+            assert row["err_y"] < 1e-4 and row["err_dx"] < 1e-4, row
+
+
+def test_breakdown_sums_its_parts(bench, tmp_path):
+    payload = _run("bench_breakdown", [], tmp_path)
+    for row in payload["rows"]:
+        assert row["status"] == "ok", row
+        parts = sum(row[p] for p in payload["parts"])
+        assert row["glue"] == pytest.approx(row["ms"] - parts)
+        assert all(row[p] >= 0 for p in payload["parts"])
