@@ -7,19 +7,22 @@
 #         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...); the kernel table beside them.
 #         The breakdown calls the layer's kernels on the layer's shapes. Configs picked while the
 #         GPUs are shared may not be the fastest; the timed call then measures those.
-#   run   the breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table (TP/CP 1 and
-#         2, 2 GPUs); JSON and logs in $OUT/bench/ (plots, anywhere:
+#   run   the breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table (TP/CP 1, 2
+#         and, on four GPUs, 4); JSON and logs in $OUT/bench/ (plots, anywhere:
 #         python suites/bench/_common.py plot JSON... --out DIR).
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
 B=suites/bench
 TOKENS=4k,16k,64k
+# TP and CP sizes up to the machine's GPUs (2 on nvidia-h200-x2; 4 adds the TP/CP = 4 rows)
+GPUS=$(nvidia-smi -L 2>/dev/null | wc -l)
+if [ "$GPUS" -ge 4 ]; then SIZES=1,2,4 WORLD=4; else SIZES=1,2 WORLD=2; fi
 case "${1:-}" in
 warm)
   LOGS=/tmp/linattn-logs/warm; mkdir -p "$LOGS"
   for shape in qwen3-next glm-5.3-flash kimi-k3; do
-    PYTEST_LINATTN_LOCK_DIR=/tmp/warm-locks-$shape python3 $B/bench_layers.py --shapes "$shape" --tp 1,2 --cp 1,2 \
-      --world 2 --tokens $TOKENS --iters 1 --warmup 0 --no-check > "$LOGS/$shape.log" 2>&1 &
+    PYTEST_LINATTN_LOCK_DIR=/tmp/warm-locks-$shape python3 $B/bench_layers.py --shapes "$shape" --tp $SIZES --cp $SIZES \
+      --world $WORLD --tokens $TOKENS --iters 1 --warmup 0 --no-check > "$LOGS/$shape.log" 2>&1 &
   done
   CUDA_VISIBLE_DEVICES=1 python3 $B/bench_kernels.py --tp 1 --tokens $TOKENS --iters 1 --warmup 0 \
     > "$LOGS/kernels.log" 2>&1 &
@@ -40,7 +43,7 @@ run)
   CUDA_VISIBLE_DEVICES=1 stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 30 &
   wait
   stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes qwen3-next,glm-5.3-flash,kimi-k3 \
-    --tp 1,2 --cp 1,2 --world 2 --tokens $TOKENS
+    --tp $SIZES --cp $SIZES --world $WORLD --tokens $TOKENS
   tail -n 40 "$R"/breakdown.log "$R"/kernels.log "$R"/layers.log ;;
 *) echo "usage: .ci/gpu-bench.sh warm|run" >&2; exit 2 ;;
 esac
