@@ -2,7 +2,7 @@
 # The benchmarks on a lent H200 machine (the GPU kit installed and the Triton cache restored by
 # .ci/gpu.sh's environment below). Two modes:
 #   warm  fill the Triton cache (compile + autotune) for every kernel the tables call: the layer
-#         table's rows, one iteration each, one world of 2 ranks per shape side by side, each with
+#         table's rows, one iteration each, one world of 2 (or 4) ranks per shape side by side, each with
 #         its own GPU-lock dir so they neither wait for each other nor for the tests beside them
 #         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...); the kernel table beside them.
 #         The breakdown calls the layer's kernels on the layer's shapes. Configs picked while the
