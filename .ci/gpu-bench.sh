@@ -30,7 +30,7 @@ warm)
   tail -n 12 "$LOGS"/*.log ;;
 run)
   # The breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table on both GPUs;
-  # shapes in the order their figures are wanted. Each stage has a limit (seconds) and writes its
+  # shapes in the order their figures are wanted (LINATTN_LAYER_SHAPES: the layer table's). Each stage has a limit (seconds) and writes its
   # JSON after every row straight into $OUT/bench, so a run cut short keeps what it measured.
   R=$OUT/bench; mkdir -p "$R"
   stage() {  # name limit script args...
@@ -42,7 +42,7 @@ run)
     --shapes qwen3-next,kimi-k3,glm-5.3-flash --tokens 16k,64k &
   CUDA_VISIBLE_DEVICES=1 stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 30 &
   wait
-  stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes qwen3-next,glm-5.3-flash,kimi-k3 \
+  stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes "${LINATTN_LAYER_SHAPES:-qwen3-next,glm-5.3-flash,kimi-k3}" \
     --tp $SIZES --cp $SIZES --world $WORLD --tokens $TOKENS
   tail -n 40 "$R"/breakdown.log "$R"/kernels.log "$R"/layers.log ;;
 *) echo "usage: .ci/gpu-bench.sh warm|run" >&2; exit 2 ;;
