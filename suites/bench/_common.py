@@ -169,75 +169,61 @@ def measure_interleaved(calls: dict, *, iters: int, warmup: int, device) -> dict
         for name in names[shift:] + names[:shift]:
             fwd, bwd, reset = calls[name]
             try:
-                events = _iteration(fwd, None if bwd_error[name] else bwd, reset, cuda)
-            except _RefusedBackward as refusal:
-                if i > 0:
-                    raise refusal.__cause__
-                bwd_error[name], events = first_line(refusal.__cause__), refusal.events
+                stamps, refused = _iteration(fwd, None if bwd_error[name] else bwd, reset, cuda)
             except Exception as exc:  # noqa: BLE001 - one callable fails, the others go on
                 if i > 0:
                     raise
                 results[name] = exc
                 free_memory()
                 continue
+            if refused is not None:  # a refused backward is a result (forward only), not a crash
+                if i > 0:
+                    raise refused
+                bwd_error[name] = first_line(refused)
             if i >= warmup:
-                marks[name].append(events)
+                marks[name].append(stamps)
         names = [n for n in names if n not in results]
     if cuda:
         torch.cuda.synchronize(device)
+
+    def ms(a, b):
+        return a.elapsed_time(b) if cuda else (b - a) * 1e3
+
     for name in names:
-        if cuda:
-            fwd_ms = [e[0].elapsed_time(e[1]) for e in marks[name]]
-            all_ms = [e[0].elapsed_time(e[2]) for e in marks[name]]
-        else:
-            fwd_ms = [(e[1] - e[0]) * 1e3 for e in marks[name]]
-            all_ms = [(e[2] - e[0]) * 1e3 for e in marks[name]]
         both = calls[name][1] is not None and bwd_error[name] is None
-        results[name] = {"fwd_ms": statistics.median(fwd_ms), "ms": statistics.median(all_ms) if both else None,
+        results[name] = {"fwd_ms": statistics.median(ms(m[0], m[1]) for m in marks[name]),
+                         "ms": statistics.median(ms(m[0], m[2]) for m in marks[name]) if both else None,
                          "bwd_error": bwd_error[name]}
     return results
 
 
-class _RefusedBackward(Exception):
-    """bwd raised (not out of memory): carries the iteration's marks, the forward's being valid."""
+def _iteration(fwd, bwd, reset, cuda: bool):
+    """One iteration: its three stamps (start, forward done, backward done; CUDA events on a GPU,
+    read after one synchronize at the end; perf_counter on a CPU) and the exception bwd raised,
+    if any (out of memory propagates)."""
 
-    def __init__(self, events):
-        super().__init__("backward refused")
-        self.events = events
+    def stamp():
+        if not cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
 
-
-def _iteration(fwd, bwd, reset, cuda: bool) -> list:
-    """One timed iteration: three marks (start, forward done, backward done); CUDA events on a GPU
-    (read after one synchronize at the end), perf_counter stamps on a CPU."""
     if reset is not None:
         reset()
-    if cuda:
-        events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        events[0].record()
-    else:
-        events = [time.perf_counter()]
+    stamps = [stamp()]
     out = fwd()
-    if cuda:
-        events[1].record()
-    else:
-        events.append(time.perf_counter())
+    stamps.append(stamp())
+    refused = None
     if bwd is not None:
         try:
             bwd(out)
-        except Exception as exc:  # noqa: BLE001 - a refused backward is a result, not a crash
+        except Exception as exc:  # noqa: BLE001 - the caller decides
             if is_oom(exc):
                 raise
-            _mark(events, cuda)
-            raise _RefusedBackward(events) from exc
-    _mark(events, cuda)
-    return events
-
-
-def _mark(events: list, cuda: bool) -> None:
-    if cuda:
-        events[2].record()
-    else:
-        events.append(time.perf_counter())
+            refused = exc
+    stamps.append(stamp())
+    return stamps, refused
 
 
 def reset_peak(device) -> None:
