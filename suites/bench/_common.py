@@ -393,6 +393,40 @@ def time_layer_step(layer, x, dy, cu, *, iters: int, warmup: int) -> dict:
     return t
 
 
+def sweep(bench: str, args, ranks: Ranks, placements, rank_fn, merge, describe, **case_fields) -> list[dict]:
+    """One row per (shape, tokens, tp, cp): rank_fn(case) on every rank through `ranks`, merged into
+    a row by merge(case, status, per_rank) (status "ok", "OOM", "error", or "skipped: ..." when the
+    world cannot hold the placement), printed by rank 0 as `describe(row)` and written to --json as
+    it lands. case_fields: what the rank function needs beyond the shared ones."""
+    rows = []
+    for shape in args.shape_list:
+        for T in args.token_list:
+            for tp, cp in placements:
+                case = dict(shape=shape, tokens=T, tp=tp, cp=cp, seqs=args.seqs, seed=args.seed, device=args.device,
+                            dtype=args.dtype, iters=args.iters, warmup=args.warmup, **case_fields)
+                if ranks.world_size % (tp * cp):
+                    status, result = f"skipped: needs {tp * cp} ranks", None
+                else:
+                    try:
+                        status, result = ranks.run(rank_fn, case, timeout=args.timeout)
+                    except Exception as exc:  # noqa: BLE001 - a failed case is a row
+                        status, result = "error", first_line(exc)
+                row = {"T": tokens_label(T), **merge(case, status, result)}
+                rows.append(row)
+                if ranks.is_main:
+                    print(f"  {shape} {row['T']} tp{tp} cp{cp}: {row['status']} {describe(row)}", flush=True)
+                    checkpoint(bench, args, rows)
+    return rows
+
+
+def case_row(case: dict, status: str, per_rank) -> dict:
+    """A row's key columns, and its status and error when the case did not run or failed."""
+    row = {k: case[k] for k in ("shape", "tokens", "tp", "cp")}
+    if status != "ok":
+        row.update(status=status, error=per_rank if status == "error" else None)
+    return row
+
+
 # ---------------------------------------------------------------------------------------------
 # output
 

@@ -25,9 +25,8 @@ import sys
 
 import torch
 
-from _common import (Ranks, add_common_args, build_case, checkpoint, finish, first_line, fmt, free_memory,
-                     is_oom, measure, parallel_groups, parse_ints, print_table, resolve_args,
-                     time_layer_step, tokens_label)
+from _common import (Ranks, add_common_args, build_case, case_row, finish, fmt, free_memory, is_oom, measure,
+                     parallel_groups, parse_ints, print_table, resolve_args, sweep, time_layer_step)
 
 DEFAULTS = dict(shapes="prod", tokens="16k,64k", iters=10, warmup=3, tp="1", cp="1")
 QUICK = dict(shapes="kimi-k3,qwen3-next")
@@ -124,6 +123,23 @@ def breakdown_case(case: dict) -> dict:
     return out
 
 
+def merge(case: dict, status: str, per_rank) -> dict:
+    """Rank 0's numbers (the layer step and its parts from one rank), and the glue."""
+    row = case_row(case, status, per_rank)
+    if status == "ok":
+        row.update(per_rank[0])
+    if row.get("ms") is not None:
+        row["glue"] = row["ms"] - sum(row[p] for p in PARTS)
+        row["glue_pct"] = 100.0 * row["glue"] / row["ms"]
+        row["verdict"] = "ok" if row["glue_pct"] <= GLUE_LIMIT else "MISS"
+    return row
+
+
+def describe(row: dict) -> str:
+    parts = ", ".join(f"{p} {fmt(row.get(p))}" for p in PARTS)
+    return f"{fmt(row.get('ms'))} ms ({parts}), glue {fmt(row.get('glue_pct'), '.1f')}%"
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
@@ -134,38 +150,11 @@ def main(argv=None) -> None:
     args = resolve_args(parser, argv, DEFAULTS, QUICK)
     placements = [(tp, cp) for tp in parse_ints(args.tp) for cp in parse_ints(args.cp)]
     world = max(tp * cp for tp, cp in placements)
-    rows = []
     with Ranks(args.device, world) as ranks:
-        for shape in args.shape_list:
-            for T in args.token_list:
-                for tp, cp in placements:
-                    case = dict(shape=shape, tokens=T, tp=tp, cp=cp, sp=False, layout="contiguous",
-                                seqs=args.seqs, seed=args.seed, device=args.device, dtype=args.dtype,
-                                iters=args.iters, warmup=args.warmup)
-                    row = dict(shape=shape, tokens=T, tp=tp, cp=cp)
-                    if ranks.world_size % (tp * cp):
-                        row["status"] = f"skipped: needs {tp * cp} ranks"
-                    else:
-                        try:
-                            status, result = ranks.run(breakdown_case, case, timeout=args.timeout)
-                        except Exception as exc:  # noqa: BLE001
-                            status, result = "error", first_line(exc)
-                        # rank 0's numbers: the layer step and its parts from one rank
-                        row.update(result[0] if status == "ok" else {"status": status, "error": result})
-                    if row.get("ms") is not None:
-                        row["glue"] = row["ms"] - sum(row[p] for p in PARTS)
-                        row["glue_pct"] = 100.0 * row["glue"] / row["ms"]
-                        row["verdict"] = "ok" if row["glue_pct"] <= GLUE_LIMIT else "MISS"
-                    rows.append(row)
-                    if ranks.is_main:
-                        parts = ", ".join(f"{p} {fmt(row.get(p))}" for p in PARTS)
-                        print(f"  {shape} {tokens_label(T)} tp{tp} cp{cp}: {row['status']} {fmt(row.get('ms'))} ms "
-                              f"({parts}), glue {fmt(row.get('glue_pct'), '.1f')}%", flush=True)
-                        checkpoint("breakdown", args, rows)
+        rows = sweep("breakdown", args, ranks, placements, breakdown_case, merge, describe, sp=False,
+                     layout="contiguous")
     if not ranks.is_main:
         return
-    for r in rows:
-        r["T"] = tokens_label(r["tokens"])
     print()
     print(f"one layer step on {args.device} ({args.dtype}), median ms over {args.iters} iters; "
           f"glue = layer - sum of parts")

@@ -21,8 +21,8 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from _common import (Ranks, add_common_args, build_case, checkpoint, finish, first_line, fmt, free_memory, is_oom,
-                     parallel_groups, parse_ints, print_table, resolve_args, time_layer_step, tokens_label)
+from _common import (Ranks, add_common_args, build_case, case_row, finish, fmt, free_memory, is_oom, parallel_groups,
+                     parse_ints, print_table, resolve_args, sweep, time_layer_step)
 
 DEFAULTS = dict(shapes="prod", tokens="4k,8k,16k,32k,64k", iters=10, warmup=3, tp="1,2", cp="1,2")
 QUICK = dict(shapes="qwen3-next,kimi-k3", tokens="16k")
@@ -82,9 +82,9 @@ def _errors(case, mine, tp_group, cp_group, local_tokens, group_rank) -> dict:
 
 
 def merge(case: dict, status: str, per_rank) -> dict:
-    row = {k: case[k] for k in ("shape", "tokens", "tp", "cp")}
+    row = case_row(case, status, per_rank)
     if status != "ok":
-        return {**row, "status": status, "error": per_rank if status == "error" else None}
+        return row
     if any(r["status"] == "OOM" for r in per_rank):
         return {**row, "status": "OOM"}
     row.update(status="ok", fwd_ms=max(r["fwd_ms"] for r in per_rank), ms=max(r["ms"] for r in per_rank),
@@ -92,6 +92,11 @@ def merge(case: dict, status: str, per_rank) -> dict:
     peaks = [r["peak_gib"] for r in per_rank if r.get("peak_gib") is not None]
     row["peak_gib"] = max(peaks) if peaks else None
     return row
+
+
+def describe(row: dict) -> str:
+    return (f"{fmt(row.get('ms'), '.3f')} ms, peak {fmt(row.get('peak_gib'))} GiB, "
+            f"err y {fmt(row.get('err_y'), '.1e')}, dx {fmt(row.get('err_dx'), '.1e')}")
 
 
 def main(argv=None) -> None:
@@ -110,36 +115,14 @@ def main(argv=None) -> None:
     limit = torch.cuda.device_count() if args.device == "cuda" else None
     world = args.world or max([tp * cp for tp, cp in placements if limit is None or tp * cp <= limit] or [1])
 
-    rows = []
     with Ranks(args.device, world) as ranks:
         if ranks.is_main:
             print(f"layers on {args.device} ({args.dtype}), world of {ranks.world_size} rank(s), "
                   f"{args.iters} iters after {args.warmup} warm-up, median ms")
-        for shape in args.shape_list:
-            for T in args.token_list:
-                for tp, cp in placements:
-                    case = dict(shape=shape, tokens=T, tp=tp, cp=cp, sp=args.sp, layout=args.cp_layout,
-                                seqs=args.seqs, seed=args.seed, device=args.device, dtype=args.dtype,
-                                iters=args.iters, warmup=args.warmup, check=not args.no_check)
-                    if ranks.world_size % (tp * cp):
-                        row = {**{k: case[k] for k in ("shape", "tokens", "tp", "cp")},
-                               "status": f"skipped: needs {tp * cp} ranks"}
-                    else:
-                        try:
-                            status, result = ranks.run(layer_case, case, timeout=args.timeout)
-                        except Exception as exc:  # noqa: BLE001
-                            status, result = "error", first_line(exc)
-                        row = merge(case, status, result)
-                    rows.append(row)
-                    if ranks.is_main:
-                        print(f"  {shape} {tokens_label(T)} tp{tp} cp{cp}: {row['status']} "
-                              f"{fmt(row.get('ms'), '.3f')} ms, peak {fmt(row.get('peak_gib'))} GiB, "
-                              f"err y {fmt(row.get('err_y'), '.1e')}, dx {fmt(row.get('err_dx'), '.1e')}", flush=True)
-                        checkpoint("layers", args, rows)
+        rows = sweep("layers", args, ranks, placements, layer_case, merge, describe, sp=args.sp,
+                     layout=args.cp_layout, check=not args.no_check)
     if not ranks.is_main:
         return
-    for r in rows:
-        r["T"] = tokens_label(r["tokens"])
     print()
     print_table(rows, [("shape", "shape"), ("T", "tokens"), ("tp", "tp"), ("cp", "cp"), ("fwd_ms", "fwd ms", ".2f"),
                        ("ms", "fwd+bwd ms", ".2f"), ("peak_gib", "peak GiB", ".2f"), ("err_y", "err y", ".1e"),
