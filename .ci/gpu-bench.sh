@@ -2,8 +2,8 @@
 # The benchmarks on a lent H200 machine (the GPU kit installed and the Triton cache restored by
 # .ci/gpu.sh's environment below). Two modes:
 #   warm  fill the Triton cache (compile + autotune) for every kernel the tables call: the layer
-#         table's rows, one iteration each, one world of 2 (or 4) ranks per shape side by side, each with
-#         its own GPU-lock dir so they neither wait for each other nor for the tests beside them
+#         table's rows, one iteration each, one world of 2 (or 4) ranks per shape side by side,
+#         each with its own GPU-lock dir so they neither wait for each other nor for the tests beside them
 #         (LINATTN_GPU_WITH=".ci/gpu-bench.sh warm" .ci/gpu.sh ...); the kernel table beside them.
 #         The breakdown calls the layer's kernels on the layer's shapes. Configs picked while the
 #         GPUs are shared may not be the fastest; the timed call then measures those.
@@ -30,8 +30,9 @@ warm)
   tail -n 12 "$LOGS"/*.log ;;
 run)
   # The breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table on both GPUs;
-  # shapes in the order their figures are wanted (LINATTN_LAYER_SHAPES: the layer table's). Each stage has a limit (seconds) and writes its
-  # JSON after every row straight into $OUT/bench, so a run cut short keeps what it measured.
+  # shapes in the order their figures are wanted (LINATTN_LAYER_SHAPES: the layer table's). Each
+  # stage has a limit (seconds) and writes its JSON after every row straight into $OUT/bench, so a
+  # run cut short keeps what it measured.
   R=$OUT/bench; mkdir -p "$R"
   stage() {  # name limit script args...
     local name=$1 limit=$2; shift 2
