@@ -56,6 +56,11 @@ def make_config(family, ratio):
 GPU_HEADS = (4, 8, 64, 128)
 
 
+# The families of the TP/CP GPU suites (gpu-2, gpu-4), with each one's config options: KDA with
+# the bounded gate.
+GPU_PARALLEL_FAMILIES = {"qwen3_next": {}, "qwen3_5": {}, "kda": {"gate_lower_bound": -5.0}}
+
+
 def gpu_config(family, ratio=GPU_HEADS[1] // GPU_HEADS[0], **extra):
     """The GPU suites' layer: GPU_HEADS (`ratio` value heads per key head)."""
     H, _, K, V = GPU_HEADS

@@ -11,6 +11,7 @@ if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
 
+from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
 from layer_parity import check_parallel_cases, gpu_config, make_case, run_parallel_cases  # noqa: E402
 
 pytestmark = pytest.mark.gpus(2)
@@ -19,11 +20,6 @@ TP = 2
 RTOL = 2e-2
 DTYPE = torch.bfloat16
 CU_SEQLENS = [0, 1, 130, 300, 516]  # 516 tokens: divisible by TP for sequence parallel
-FAMILIES = {
-    "qwen3_next": {},
-    "qwen3_5": {},
-    "kda": {"gate_lower_bound": -5.0},
-}
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
