@@ -9,7 +9,8 @@
 #         GPUs are shared may not be the fastest; the timed call then measures those.
 #   run   the breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table (TP/CP 1, 2
 #         and, on four GPUs, 4); JSON and logs in $OUT/bench/ (plots, anywhere:
-#         python suites/bench/_common.py plot JSON... --out DIR).
+#         python suites/bench/_common.py plot JSON... --out DIR). LINATTN_BENCH_STAGES="layers
+#         kernels" runs those stages one after another instead, nothing beside them.
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
 B=suites/bench
@@ -39,12 +40,24 @@ run)
     echo "== $name (limit ${limit} s): $*" > "$R/$name.log"
     timeout -k 15 "$limit" python3 "$B/$@" --json "$R/$name.json" >> "$R/$name.log" 2>&1; echo "rc=$?" >> "$R/$name.log"
   }
-  CUDA_VISIBLE_DEVICES=0 stage breakdown "${LINATTN_BREAKDOWN_LIMIT:-200}" bench_breakdown.py \
-    --shapes qwen3-next,kimi-k3,glm-5.3-flash --tokens 16k,64k &
-  CUDA_VISIBLE_DEVICES=1 stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 30 &
-  wait
-  stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes "${LINATTN_LAYER_SHAPES:-qwen3-next,glm-5.3-flash,kimi-k3}" \
-    --tp $SIZES --cp $SIZES --world $WORLD --tokens $TOKENS
-  tail -n 40 "$R"/breakdown.log "$R"/kernels.log "$R"/layers.log ;;
+  # LINATTN_BENCH_STAGES picks the stages, in order ("layers kernels": one at a time, nothing beside).
+  breakdown() { stage breakdown "${LINATTN_BREAKDOWN_LIMIT:-200}" bench_breakdown.py \
+    --shapes qwen3-next,kimi-k3,glm-5.3-flash --tokens 16k,64k; }
+  kernels() { stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 30; }
+  layers() { stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes "${LINATTN_LAYER_SHAPES:-qwen3-next,glm-5.3-flash,kimi-k3}" \
+    --tp $SIZES --cp $SIZES --world $WORLD --tokens $TOKENS; }
+  if [ -n "${LINATTN_BENCH_STAGES:-}" ]; then
+    for s in $LINATTN_BENCH_STAGES; do
+      case $s in
+        layers) layers ;;
+        breakdown|kernels) CUDA_VISIBLE_DEVICES=0 "$s" ;;
+        *) echo "LINATTN_BENCH_STAGES: unknown stage '$s' (breakdown, kernels, layers)" >&2; exit 2 ;;
+      esac
+    done
+  else
+    CUDA_VISIBLE_DEVICES=0 breakdown & CUDA_VISIBLE_DEVICES=1 kernels & wait
+    layers
+  fi
+  tail -n 40 "$R"/*.log ;;
 *) echo "usage: .ci/gpu-bench.sh warm|run" >&2; exit 2 ;;
 esac
