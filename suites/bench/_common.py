@@ -154,14 +154,21 @@ def measure(fwd, bwd=None, *, iters: int, warmup: int, device, reset=None) -> di
     return result
 
 
-def measure_interleaved(calls: dict, *, iters: int, warmup: int, device) -> dict:
+def measure_interleaved(calls: dict, *, iters: int, warmup: int, device, isolate: bool = False) -> dict:
     """measure() for several callables (name -> (fwd, bwd or None, reset or None)) in rounds: each
     of `warmup` + `iters` rounds runs one iteration of every callable, in an order rotated every
-    round, so drift (clocks, other processes, launch gaps) reaches all of them alike and their
-    ratios compare fairly. A callable whose first iteration raises is dropped and gets the
-    exception as its result; the others go on."""
+    round, so drift (clocks, other processes) reaches all of them alike and their ratios compare
+    fairly. A callable whose first iteration raises is dropped and gets the exception as its
+    result; the others go on.
+
+    isolate (CUDA): every iteration starts on an idle GPU with its L2 cache flushed (256 MiB
+    written, as triton's do_bench does, then a synchronize), so the callable before it in the
+    round cannot shape its time: neither its queued work (which hides a short op's launch gaps)
+    nor the data it left in L2. For ops of a few ms; a layer step needs neither.
+    """
     device = torch.device(device)
     cuda = device.type == "cuda"
+    flush = torch.empty(2 ** 26, dtype=torch.int32, device=device) if cuda and isolate else None
     names = list(calls)
     results, marks, bwd_error = {}, {n: [] for n in names}, dict.fromkeys(names)
     for i in range(warmup + iters):
@@ -169,7 +176,7 @@ def measure_interleaved(calls: dict, *, iters: int, warmup: int, device) -> dict
         for name in names[shift:] + names[:shift]:
             fwd, bwd, reset = calls[name]
             try:
-                stamps, refused = _iteration(fwd, None if bwd_error[name] else bwd, reset, cuda)
+                stamps, refused = _iteration(fwd, None if bwd_error[name] else bwd, reset, cuda, flush)
             except Exception as exc:  # noqa: BLE001 - one callable fails, the others go on
                 if i > 0:
                     raise
@@ -197,10 +204,11 @@ def measure_interleaved(calls: dict, *, iters: int, warmup: int, device) -> dict
     return results
 
 
-def _iteration(fwd, bwd, reset, cuda: bool):
+def _iteration(fwd, bwd, reset, cuda: bool, flush=None):
     """One iteration: its three stamps (start, forward done, backward done; CUDA events on a GPU,
     read after one synchronize at the end; perf_counter on a CPU) and the exception bwd raised,
-    if any (out of memory propagates)."""
+    if any (out of memory propagates). flush: a CUDA buffer to overwrite (evicting L2) and wait
+    for before the start stamp."""
 
     def stamp():
         if not cuda:
@@ -211,6 +219,9 @@ def _iteration(fwd, bwd, reset, cuda: bool):
 
     if reset is not None:
         reset()
+    if flush is not None:
+        flush.zero_()
+        torch.cuda.synchronize(flush.device)
     stamps = [stamp()]
     out = fwd()
     stamps.append(stamp())

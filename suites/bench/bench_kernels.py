@@ -95,7 +95,8 @@ def time_backends(op, names, inputs, kwargs, cotangent, args) -> dict:
 
         calls[backend] = (lambda fn=fn, leaves=leaves: fn(*leaves, **kwargs), lambda o: o.backward(cotangent), reset)
     rows = {}
-    for backend, t in measure_interleaved(calls, iters=args.iters, warmup=args.warmup, device=args.device).items():
+    timed = measure_interleaved(calls, iters=args.iters, warmup=args.warmup, device=args.device, isolate=True)
+    for backend, t in timed.items():
         if isinstance(t, BaseException):  # a failing backend is a row
             rows[backend] = {"status": "OOM" if is_oom(t) else "error", "error": None if is_oom(t) else first_line(t)}
         else:
