@@ -43,7 +43,7 @@ run)
   # LINATTN_BENCH_STAGES picks the stages, in order ("layers kernels": one at a time, nothing beside).
   breakdown() { stage breakdown "${LINATTN_BREAKDOWN_LIMIT:-200}" bench_breakdown.py \
     --shapes qwen3-next,kimi-k3,glm-5.3-flash --tokens 16k,64k; }
-  kernels() { stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 30; }
+  kernels() { stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 100; }
   layers() { stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes "${LINATTN_LAYER_SHAPES:-qwen3-next,glm-5.3-flash,kimi-k3}" \
     --tp $SIZES --cp $SIZES --world $WORLD --tokens $TOKENS; }
   if [ -n "${LINATTN_BENCH_STAGES:-}" ]; then

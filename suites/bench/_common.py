@@ -162,9 +162,9 @@ def measure_interleaved(calls: dict, *, iters: int, warmup: int, device, isolate
     result; the others go on.
 
     isolate (CUDA): every iteration starts on an idle GPU with its L2 cache flushed (256 MiB
-    written, as triton's do_bench does, then a synchronize), so the callable before it in the
-    round cannot shape its time: neither its queued work (which hides a short op's launch gaps)
-    nor the data it left in L2. For ops of a few ms; a layer step needs neither.
+    written, as triton's do_bench does, then a synchronize), so no callable's time holds the
+    work another left queued (which hides a short op's launch gaps) or the data it left in L2.
+    For ops of a few ms; a layer step needs neither.
     """
     device = torch.device(device)
     cuda = device.type == "cuda"
