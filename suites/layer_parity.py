@@ -21,6 +21,7 @@ tp_rank + tp * (cp_rank + cp * dp_rank).
 from __future__ import annotations
 
 import math
+import re
 
 import torch
 
@@ -236,6 +237,14 @@ def error_of(fn):
     except ValueError as e:
         return str(e)
     return None
+
+
+def assert_rules(per_rank, rules: dict) -> None:
+    """Every rank's error_of message for each key names its rule (a regex)."""
+    for rank, errors in enumerate(per_rank):
+        for key, rule in rules.items():
+            assert errors[key] is not None, f"rank {rank} {key}: no ValueError"
+            assert re.search(rule, errors[key]), f"rank {rank} {key}: {errors[key]}"
 
 
 # The single-device bf16 cases (gpu-1 on fla's kernels; cpu as its proxy on the torch kernels).
