@@ -11,13 +11,16 @@ from __future__ import annotations
 
 pytest_plugins = ["pytest_linattn.plugin"]
 
-__all__ = ["assert_parity"]
+__all__ = ["assert_parity", "Placement", "ShardedLayer", "ParityCase", "assert_sharded_parity", "assert_parity_cases"]
+
+# name -> the plain module that defines it
+_LAZY = {"assert_parity": "parity", **{n: "sharded_parity" for n in __all__[1:]}}
 
 
 def __getattr__(name):
-    # Lazy: parity imports torch, which a plain `import pytest_linattn` should not pay for.
-    if name == "assert_parity":
-        from .parity import assert_parity
+    # Lazy: parity and sharded_parity import torch, which a plain `import pytest_linattn` should not pay for.
+    if name in _LAZY:
+        import importlib
 
-        return assert_parity
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'pytest_linattn' has no attribute {name!r}")

@@ -5,11 +5,18 @@ itself, so every parser takes a string or an already-typed value.
 """
 from __future__ import annotations
 
-__all__ = ["DEFAULTS", "parse_device", "parse_sizes", "parse_timeout"]
+__all__ = ["DEFAULTS", "parse_autotune", "parse_device", "parse_sizes", "parse_switch", "parse_timeout"]
 
 # Used when neither the command line, a conftest nor an ini key gives a value.
-DEFAULTS = {"tp": "2", "cp": "2", "device": "auto", "timeout": "300"}
+DEFAULTS = {"tp": "2", "cp": "2", "device": "auto", "timeout": "300", "fla_on_cpu": "off",
+            "autotune": "shipped"}
 DEVICES = ("cpu", "cuda", "auto")
+# --linattn-autotune: what a run on CUDA does about Triton's config search (pytest_linattn.autotune)
+AUTOTUNE_MODES = {
+    "shipped": "the project's shipped fla configs, else the first config, never timed",
+    "first": "the first config of every kernel, never timed",
+    "search": "Triton's autotune: time every config",
+}
 
 
 def parse_sizes(value, name: str = "sizes") -> list[int]:
@@ -55,3 +62,24 @@ def parse_timeout(value, name: str = "timeout") -> float:
     if not seconds > 0 or seconds != seconds or seconds == float("inf"):
         raise ValueError(f"{name}: expected a positive finite number of seconds, got {value!r}")
     return seconds
+
+
+SWITCH_VALUES = {"on": True, "true": True, "1": True, "yes": True,
+                 "off": False, "false": False, "0": False, "no": False}
+
+
+def parse_switch(value, name: str = "switch") -> bool:
+    """'on' / 'off' (also true/false, 1/0, yes/no; a bool as is)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in SWITCH_VALUES:
+        return SWITCH_VALUES[value.strip().lower()]
+    raise ValueError(f"{name}: expected on or off, got {value!r}")
+
+
+def parse_autotune(value, name: str = "autotune") -> str:
+    """shipped | first | search (see AUTOTUNE_MODES)."""
+    if isinstance(value, str) and value.strip().lower() in AUTOTUNE_MODES:
+        return value.strip().lower()
+    raise ValueError(f"{name}: expected one of {', '.join(AUTOTUNE_MODES)} "
+                     f"({'; '.join(f'{k}: {v}' for k, v in AUTOTUNE_MODES.items())}), got {value!r}")

@@ -12,6 +12,9 @@ Options (each also an ini key; the command line wins, then a value a conftest pu
     --linattn-device D      linattn_device   cpu | cuda | auto (cuda when a GPU is visible); default auto
     --linattn-timeout S     linattn_timeout  seconds per distributed call; default 300
     --linattn-report DIR    linattn_report   write the parity report (JSON + heatmaps) there
+    --linattn-fla-on-cpu    linattn_fla_on_cpu   on | off: the fla_on_cpu fixture in every test; default off
+    --linattn-autotune M    linattn_autotune shipped | first | search: Triton's config search on CUDA
+                            (pytest_linattn.autotune); default shipped, i.e. no search
 
 ``config.option.tp`` / ``cp`` / ``linattn_device`` / ``linattn_timeout`` are None unless given on
 the command line, so a conftest's pytest_configure may set suite defaults; they are read at
@@ -29,6 +32,8 @@ Fixtures:
                         persist per (world size, device) for the session. ``spawn.timeout = 5``
                         changes this test's timeout. Under torchrun (WORLD_SIZE set) fn runs on the
                         launcher's process group and every rank gets the gathered list.
+    fla_on_cpu          fla's public ops emulated on linattn's float64 references, in the test
+                        and in every rank spawn runs (linattn.emulation.fla_on_cpu)
     packed_seqlens      pytest_linattn.seqlens.packed_seqlens
     float64_reference   pytest_linattn.float64.float64_reference
 
@@ -57,6 +62,8 @@ _OPTIONS = {
     "cp": ("--cp", "cp", "linattn_cp", _opts.parse_sizes),
     "device": ("--linattn-device", "linattn_device", "linattn_device", _opts.parse_device),
     "timeout": ("--linattn-timeout", "linattn_timeout", "linattn_timeout", _opts.parse_timeout),
+    "fla_on_cpu": ("--linattn-fla-on-cpu", "linattn_fla_on_cpu", "linattn_fla_on_cpu", _opts.parse_switch),
+    "autotune": ("--linattn-autotune", "linattn_autotune", "linattn_autotune", _opts.parse_autotune),
 }
 _SIZE_FIXTURES = {"tp_size": ("tp", "tp_sizes"), "cp_size": ("cp", "cp_sizes")}
 
@@ -92,6 +99,18 @@ def pytest_addoption(parser):
                     type=_argtype(_opts.parse_timeout, "--linattn-timeout"),
                     help="timeout of one distributed call, in seconds (ini: linattn_timeout; "
                          "default 300)")
+    group.addoption("--linattn-fla-on-cpu", dest="linattn_fla_on_cpu", default=None,
+                    type=_argtype(_opts.parse_switch, "--linattn-fla-on-cpu"), metavar="on|off",
+                    nargs="?", const="on",
+                    help="run fla's linear-attention ops on linattn's float64 references in every "
+                         "test and rank, so fla-based layers run on a CPU (ini: "
+                         "linattn_fla_on_cpu; default off)")
+    group.addoption("--linattn-autotune", dest="linattn_autotune", default=None, metavar="MODE",
+                    type=_argtype(_opts.parse_autotune, "--linattn-autotune"),
+                    help="Triton's config search on CUDA runs (test process and ranks): shipped "
+                         "(the project's fla configs for this GPU, else each kernel's first config, "
+                         "nothing timed), first (first config only) or search (Triton's autotune) "
+                         "(ini: linattn_autotune; default shipped)")
     group.addoption("--linattn-report", dest="linattn_report", default=None, metavar="DIR",
                     help="write the parity report (JSON and error heatmaps) to DIR "
                          "(ini: linattn_report)")
@@ -100,6 +119,8 @@ def pytest_addoption(parser):
     parser.addini("linattn_device", "default for --linattn-device", default="")
     parser.addini("linattn_timeout", "default for --linattn-timeout", default="")
     parser.addini("linattn_report", "default for --linattn-report", default="")
+    parser.addini("linattn_fla_on_cpu", "default for --linattn-fla-on-cpu (on/off)", default="")
+    parser.addini("linattn_autotune", "default for --linattn-autotune (shipped/first/search)", default="")
 
 
 def _raw(config, key):
@@ -134,6 +155,7 @@ class _State:
         self.records_start = len(parity.RECORDS) if parity is not None else 0
         self.sent = self.records_start
         self.controller_start = len(_CONTROLLER_RECORDS)
+        self.autotune = None  # the applied pytest_linattn.autotune plan; None until session start
 
     def pools(self):
         if self.manager is None:
@@ -146,6 +168,25 @@ class _State:
         if self.manager is not None:
             self.manager.close()
             self.manager = None
+        if self.autotune is not None:
+            from . import autotune
+
+            autotune.restore()
+            self.autotune = None
+
+    def apply_autotune(self):
+        """On CUDA, before any kernel and any pool: the autotune mode, in this process and (through
+        the environment) in every rank. Once per session; None on a CPU run."""
+        if self.autotune is None and self.runs_on_cuda():
+            from . import autotune
+
+            self.autotune = autotune.apply(_value(self.config, "autotune"))
+        return self.autotune
+
+    def runs_on_cuda(self):
+        from .pool import resolve_device  # auto: cuda when a GPU is visible
+
+        return resolve_device(_value(self.config, "device")) == "cuda"
 
 
 def pytest_configure(config):
@@ -165,6 +206,13 @@ def pytest_sessionstart(session):
     # Fail early on bad ini values too (command-line values were checked by argparse).
     for key in _OPTIONS:
         _value(session.config, key)
+    session.config.stash[_STATE].apply_autotune()
+
+
+def pytest_report_header(config):
+    # Called at session start, before the hook above: apply here too, so the header can say it.
+    plan = config.stash[_STATE].apply_autotune()
+    return None if plan is None else plan.describe()
 
 
 def pytest_unconfigure(config):
@@ -308,7 +356,8 @@ class Spawn:
                 return pool.run_in_launcher(fn, world_size, args, kwargs,
                                             device=pool.resolve_device(device),
                                             timeout=self.timeout)
-            return self._state.pools().run(fn, world_size, args, kwargs, timeout=self.timeout)
+            return self._state.pools().run(fn, world_size, args, kwargs, timeout=self.timeout,
+                                           fla_on_cpu=_active_fla_emulation())
         except pool.NotEnoughGpus as exc:
             pytest.skip(f"spawn(world_size={world_size}): {exc}")
         except pool.RankFailure as exc:
@@ -316,11 +365,44 @@ class Spawn:
             raise type(exc)(str(exc)) from None
 
 
+def _active_fla_emulation():
+    # The ranks run fla's ops emulated whenever the test process does (fixture, option or a
+    # `with fla_on_cpu():` around spawn); sys.modules, so a run that never emulates imports nothing.
+    emulation = sys.modules.get("linattn.emulation.patching")
+    return None if emulation is None else emulation.active_compute_dtype()
+
+
 @pytest.fixture
 def spawn(request) -> Spawn:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with torch.distributed initialised;
     returns the ranks' return values in rank order, tensors moved to CPU."""
     return Spawn(request.config.stash[_STATE], _value(request.config, "timeout"))
+
+
+# ----------------------------------------------------------------------------------------------
+# fla on the CPU
+
+
+@pytest.fixture
+def fla_on_cpu():
+    """fla's public linear-attention ops computed with linattn's float64 references, in the
+    test and in every rank spawn runs during it (``linattn.emulation.fla_on_cpu``); yields the
+    compute dtype. ``--linattn-fla-on-cpu`` turns it on for every test of a run."""
+    import torch
+
+    from linattn.emulation import fla_on_cpu as emulation
+
+    with emulation(torch.float64):
+        yield torch.float64
+
+
+@pytest.fixture(autouse=True)
+def _fla_on_cpu_for_the_run(request):
+    if not _value(request.config, "fla_on_cpu"):
+        yield
+        return
+    request.getfixturevalue("fla_on_cpu")
+    yield
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ existing process group and every rank gets every rank's return value.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import ctypes
 import datetime
@@ -248,13 +249,19 @@ def _run_task(msg: bytes) -> tuple:
 def _run_task_inner(msg: bytes) -> tuple:
     # BaseException: SystemExit too, a rank must always answer.
     try:
-        sys_path, files, payload = pickle.loads(msg)
+        sys_path, files, payload, fla_dtype = pickle.loads(msg)
         _sync_sys_path(sys_path)
         fn, args, kwargs = _FileAwareUnpickler(io.BytesIO(payload), files).load()
+        rank_context = contextlib.nullcontext()
+        if fla_dtype is not None:
+            from linattn.emulation import fla_on_cpu
+
+            rank_context = fla_on_cpu(fla_dtype)
     except BaseException:
         return ("error", "could not load the function on this rank:\n" + traceback.format_exc())
     try:
-        result = fn(*args, **kwargs)
+        with rank_context:
+            result = fn(*args, **kwargs)
     except BaseException as exc:
         # tb_next: start at fn, not at this frame.
         return ("error", "".join(traceback.format_exception(type(exc), exc, exc.__traceback__.tb_next)))
@@ -279,6 +286,10 @@ def _worker_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True, chain=False)
     _sync_sys_path(sys_path)
     try:
+        from . import autotune
+
+        # the test process's --linattn-autotune (env LINATTN_AUTOTUNE), before any kernel runs here
+        autotune.apply_in_rank(device)
         import torch
         import torch.distributed as dist
 
@@ -312,6 +323,8 @@ def _worker_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig
         dist.destroy_process_group()
     except Exception:
         pass
+    if os.environ.get(autotune.RECORDS_ENV):  # suites/bench/dump_fla_configs.py collects them
+        autotune.write_rank_records(os.environ[autotune.RECORDS_ENV])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -464,10 +477,12 @@ class Pool:
     # -- calls
 
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
-            timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+            timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None) -> list[Any]:
         """fn(*args, **kwargs) on every rank; the return values in rank order, on CPU.
 
-        Raises RankFailure (RankTimeout on a hang) and breaks the pool on any failure.
+        fla_on_cpu: None, or the compute dtype of `linattn.emulation.fla_on_cpu`, active on
+        every rank around fn. Raises RankFailure (RankTimeout on a hang) and breaks the pool on
+        any failure.
         """
         timeout = _check_timeout(timeout)
         if not callable(fn):
@@ -475,7 +490,7 @@ class Pool:
         if not self.alive():
             raise RuntimeError("this pool is broken or closed; start a new one")
         payload, files = _dumps_task(fn, tuple(args), dict(kwargs or {}))
-        msg = pickle.dumps((list(sys.path), files, payload), protocol=pickle.HIGHEST_PROTOCOL)
+        msg = pickle.dumps((list(sys.path), files, payload, fla_on_cpu), protocol=pickle.HIGHEST_PROTOCOL)
         name = getattr(fn, "__qualname__", repr(fn))
         try:
             for conn in self.conns:
@@ -668,10 +683,10 @@ class PoolManager:
         return pool
 
     def run(self, fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
-            timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
+            timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None) -> list[Any]:
         pool = self.pool(world_size, timeout=timeout)
         try:
-            return pool.run(fn, args, kwargs, timeout=timeout)
+            return pool.run(fn, args, kwargs, timeout=timeout, fla_on_cpu=fla_on_cpu)
         finally:
             if not pool.alive():
                 self._discard(world_size)

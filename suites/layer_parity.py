@@ -1,25 +1,19 @@
 """Layer parity cases shared by the layer tests of every suite (cpu, gpu-1, gpu-2, gpu-4).
 
-One idea each:
+The project's layer is one client of the public harness, `pytest_linattn.sharded_parity` (which
+states the placement, token-layout and gradient rules). One idea each:
 
 - `make_config`, `random_state_dict`: the layer under test and its weights (float64 values;
   rounded to bf16 first for the GPU suites, so the float64 reference sees what the kernels see).
-- `make_case`: one placement (tp, cp, layout, sp, dtype) of one layer on one packed batch.
-- `run_parallel_cases` (the rank function, for `spawn`): every case's layer, sharded by its TP/CP
-  placement on the spawned world, forward and backward on this rank's tokens. Cases of different
-  placements share one spawn call (and one world): a world larger than tp * cp holds data-parallel
-  replicas, each checked.
-- `check_parallel_case`: the ranks' outputs and input gradients put back together (SP slices
-  concatenated over TP, then `cp_unshard` over CP), parameter gradients summed over CP (they are
-  per-rank partial sums, as Megatron's gradient all-reduce over data x context ranks expects) and
-  unsharded over TP, each compared with the replicated layer (`reference_outputs`).
-
-Global rank of (tp_rank, cp_rank, dp_rank) is Megatron's order, as `linattn.parallel.new_groups`:
-tp_rank + tp * (cp_rank + cp * dp_rank).
+- `linattn_layer`: the harness's ShardedLayer for a config (build_layer, shard_state_dict,
+  unshard_state_dict; the "replicated" split of parameter_layouts is TP-replicated).
+- `make_case`: one placement (tp, cp, layout, sp, dtype) of one layer on one packed batch, as a
+  harness ParityCase; run them with `pytest_linattn.sharded_parity.assert_parity_cases`.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 
@@ -32,8 +26,8 @@ from linattn.layers import (
     shard_state_dict,
     unshard_state_dict,
 )
-from linattn.parallel import cp as cp_ops
 from pytest_linattn.parity import assert_parity
+from pytest_linattn.sharded_parity import ParityCase, Placement, ShardedLayer, rank_token_index
 
 FAMILIES = ("qwen3_next", "qwen3_5", "kda")
 
@@ -98,25 +92,63 @@ def random_state_dict(config, seed, *, fla_init=False, round_to=None):
     return sd
 
 
-def make_case(config, cu_seqlens, *, seed, tp=1, cp=1, layout="contiguous", sp=False,
-              dtype=torch.float64, name="", fla_init=False, round_to=None, input_seed=None):
-    """One placement of one layer on one packed batch: weights (seeded by `seed`), input and
-    output cotangent (by `input_seed`, default seed + 50) drawn in float64, rounded to `round_to`
-    first when given."""
-    cu = torch.as_tensor(cu_seqlens, dtype=torch.int32)
-    T = int(cu[-1])
-    gen = torch.Generator().manual_seed(seed + 50 if input_seed is None else input_seed)
+def _build(config, placement, groups, dtype, device):
+    tp_group, cp_group = groups
+    return build_layer(config, tp_group=tp_group, cp_group=cp_group, cp_layout=placement.cp_layout,
+                       sequence_parallel=placement.sequence_parallel, dtype=dtype, device=device)
+
+
+def _shard(config, state_dict, placement, tp_rank):
+    return shard_state_dict(state_dict, config, tp_rank, placement.tp)
+
+
+def _unshard(config, grads, placement):
+    return unshard_state_dict(grads, config)
+
+
+def linattn_layer(config) -> ShardedLayer:
+    """The harness's description of linattn's layer for `config` (module-level partials: they
+    cross to spawn's ranks by reference)."""
+    return ShardedLayer(
+        build=functools.partial(_build, config),
+        shard=functools.partial(_shard, config),
+        unshard=functools.partial(_unshard, config),
+        replicated={n for n, layout in parameter_layouts(config).items() if layout.split == "replicated"},
+    )
+
+
+@functools.lru_cache(maxsize=32)
+def _batch(config, seed, bounds, reference_dtype, fla_init, round_to, input_seed):
+    """The replicated layer (in reference_dtype, seeded weights) and the input / output cotangent
+    drawn in float64 (rounded to `round_to` first when given). Cached: cases of one packing and
+    seed share one reference run (the harness keys its runs by these objects)."""
+    reference = build_layer(config, dtype=reference_dtype)
+    sd = random_state_dict(config, seed, fla_init=fla_init, round_to=round_to)
+    reference.load_state_dict({n: t.to(reference_dtype) for n, t in sd.items()})
+    gen = torch.Generator().manual_seed(input_seed)
 
     def draw():
-        t = torch.randn(1, T, config.hidden_size, generator=gen, dtype=torch.float64)
+        t = torch.randn(1, bounds[-1], config.hidden_size, generator=gen, dtype=torch.float64)
         return t if round_to is None else t.to(round_to).double()
 
-    placement = "/".join([f"tp{tp}" + ("-sp" if sp else "")] * (tp > 1) + [f"cp{cp}-{layout}"] * (cp > 1)) or "replicated"
-    return dict(
-        name="/".join(p for p in (placement, config.family, name, str(dtype).removeprefix("torch.")) if p),
-        config=config, tp=tp, cp=cp, layout=layout, sp=sp, dtype=dtype, seed=seed, cu_seqlens=cu,
-        state_dict=random_state_dict(config, seed, fla_init=fla_init, round_to=round_to),
-        x=draw(), dy=draw(),
+    return reference, draw(), draw()
+
+
+def make_case(config, cu_seqlens, *, seed, rtol, tp=1, cp=1, layout="contiguous", sp=False,
+              dtype=torch.float64, name="", fla_init=False, round_to=None, input_seed=None,
+              reference_dtype=None) -> ParityCase:
+    """One placement of one layer on one packed batch: weights (seeded by `seed`), input and
+    output cotangent (by `input_seed`, default seed + 50) drawn in float64, rounded to `round_to`
+    first when given. rtol: a float, or a dict by dtype. reference_dtype: the replicated layer's
+    dtype (default: the case's own)."""
+    cu = torch.as_tensor(cu_seqlens, dtype=torch.int32)
+    reference, x, dy = _batch(config, seed, tuple(cu.tolist()), reference_dtype or dtype, fla_init, round_to,
+                              seed + 50 if input_seed is None else input_seed)
+    placement = Placement(tp, cp, layout, sp)
+    return ParityCase(
+        linattn_layer(config), placement, reference, cu, x, dy,
+        rtol=rtol[dtype] if isinstance(rtol, dict) else rtol, dtype=dtype,
+        name="/".join(p for p in (placement.name, config.family, name, str(dtype).removeprefix("torch.")) if p),
     )
 
 
@@ -129,104 +161,10 @@ def run_layer(layer, x, dy, cu_seqlens):
 
 
 def local_tokens(t, case, tp_rank, cp_rank):
-    """The tokens of full `[1, T, ...]` `t` a rank holds: its CP shard (in the case's layout),
-    then under SP its TP slice of that shard."""
-    t = cp_ops.cp_shard(t, case["cu_seqlens"], cp_rank, case["cp"], case["layout"])
-    return t.chunk(case["tp"], dim=1)[tp_rank] if case["sp"] else t
-
-
-def run_parallel_cases(cases):
-    """Rank function: this rank's part of every case, as (y, dx, parameter grads) on the CPU.
-
-    Runs on NCCL ranks (layers on this rank's GPU) or gloo ranks (CPU) alike."""
-    import torch.distributed as dist
-
-    from linattn.parallel import group_rank, new_groups
-
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    groups = {}
-    for case in cases:  # new_groups is collective: every rank creates the same groups in the same order
-        key = (case["tp"], case["cp"])
-        if key not in groups:
-            groups[key] = new_groups(*key)
-    results = []
-    for case in cases:
-        config, dtype = case["config"], case["dtype"]
-        tp_group, cp_group = groups[(case["tp"], case["cp"])]
-        tp_rank, cp_rank = group_rank(tp_group), group_rank(cp_group)
-        layer = build_layer(config, tp_group=tp_group, cp_group=cp_group, cp_layout=case["layout"],
-                            sequence_parallel=case["sp"], dtype=dtype, device=device)
-        shard = shard_state_dict(case["state_dict"], config, tp_rank, case["tp"])
-        layer.load_state_dict({n: t.to(dtype) for n, t in shard.items()})
-        x, dy = (local_tokens(case[n], case, tp_rank, cp_rank).to(device, dtype) for n in ("x", "dy"))
-        results.append(run_layer(layer, x, dy, case["cu_seqlens"].to(device)))
-    return results
-
-
-def reference_outputs(case, dtype=None):
-    """The replicated layer (one process, CPU) on the case's whole batch, in `dtype` (default:
-    the case's dtype)."""
-    dtype = dtype or case["dtype"]
-    layer = build_layer(case["config"], dtype=dtype)
-    layer.load_state_dict({n: t.to(dtype) for n, t in case["state_dict"].items()})
-    return run_layer(layer, case["x"].to(dtype), case["dy"].to(dtype), case["cu_seqlens"])
-
-
-def check_parallel_cases(cases, per_rank, *, rtol, reference_dtype=None, replicated_equal=True):
-    """`check_parallel_case` for every case of one spawn call (`per_rank`: spawn's return value).
-
-    rtol: a float, or a dict by the cases' dtype. reference_dtype: the replicated layer's dtype
-    (default: each case's own). Cases with the same seed, packing and dtype share one reference."""
-    references = {}
-    for i, case in enumerate(cases):
-        dtype = reference_dtype or case["dtype"]
-        key = (case["config"], case["seed"], tuple(case["cu_seqlens"].tolist()), dtype)
-        if key not in references:
-            references[key] = reference_outputs(case, dtype)
-        tol = rtol[case["dtype"]] if isinstance(rtol, dict) else rtol
-        check_parallel_case(case, [r[i] for r in per_rank], references[key], rtol=tol,
-                            replicated_equal=replicated_equal)
-
-
-def check_parallel_case(case, results, reference, *, rtol, replicated_equal=True):
-    """Compare one case's per-rank `results` (rank order, as spawn returns them) with `reference`
-    (y, dx, grads of the replicated layer). replicated_equal: also require every TP rank to hold
-    bit-identical gradients of the replicated weights (the TP all-reduce)."""
-    tp, cp, layout, cu, config = case["tp"], case["cp"], case["layout"], case["cu_seqlens"], case["config"]
-    y_ref, dx_ref, grads_ref = reference
-    world = len(results)
-    assert world % (tp * cp) == 0, f"{case['name']}: world {world} is not a multiple of tp * cp = {tp * cp}"
-
-    def rank(t, c, d):
-        return t + tp * (c + cp * d)
-
-    for d in range(world // (tp * cp)):
-        label = case["name"] + (f"/dp{d}" if world > tp * cp else "")
-        for what, index, ref in (("output", 0, y_ref), ("dx", 1, dx_ref)):
-            if case["sp"]:  # SP slices in TP order make the CP shard
-                shards = [torch.cat([results[rank(t, c, d)][index] for t in range(tp)], dim=1) for c in range(cp)]
-                views = {"": shards}
-            else:  # every TP rank holds the whole CP shard
-                views = {(f" tp_rank{t}" if tp > 1 else ""): [results[rank(t, c, d)][index] for c in range(cp)]
-                         for t in range(tp)}
-            for suffix, shards in views.items():
-                full = cp_ops.cp_unshard(shards, cu, cp, layout)
-                assert_parity(full, ref, rtol=rtol, name=f"{label} {what}{suffix}", cu_seqlens=cu)
-        # parameter gradients: partial sums over CP, TP shards unsharded
-        per_tp = []
-        for t in range(tp):
-            grads = [results[rank(t, c, d)][2] for c in range(cp)]
-            per_tp.append({n: torch.stack([g[n].double() for g in grads]).sum(0) for n in grads[0]})
-        assert_parity(unshard_state_dict(per_tp, config), grads_ref, rtol=rtol, name=f"{label} grad")
-        if replicated_equal and tp > 1:
-            for name, param_layout in parameter_layouts(config).items():
-                if param_layout.split != "replicated":
-                    continue
-                for c in range(cp):
-                    first = results[rank(0, c, d)][2][name]
-                    for t in range(1, tp):
-                        assert torch.equal(results[rank(t, c, d)][2][name], first), \
-                            f"{label} {name}: TP rank {t} (cp rank {c}) holds a different replicated-weight gradient"
+    """The tokens of full `[1, T, ...]` `t` a rank holds (the harness's layout) for a placement
+    dict (cu_seqlens, tp, cp, layout, sp), as the benchmarks describe one."""
+    placement = Placement(case["tp"], case["cp"], case["layout"], bool(case["sp"]) and case["tp"] > 1)
+    return t.index_select(1, rank_token_index(case["cu_seqlens"], placement, tp_rank, cp_rank).to(t.device))
 
 
 def error_of(fn):

@@ -11,8 +11,23 @@ attention, with HF parameter names, tensor, sequence and context parallelism.
 
 Under CP, parameter gradients are per-rank partial sums: reduce them over the data x context
 parallel ranks, as for any token split (see build_layer).
+
+Other implementations' weights (transformers modules, fla's layers, megatron-core's GDN, with its
+TP shards) convert to and from these with the adapters (adapters.py); a transformers config
+gives the layer's config with LinearAttentionConfig.from_hf_config.
 """
 
+from .adapters import (
+    config_from_fla_layer,
+    from_fla_state_dict,
+    from_hf_state_dict,
+    from_megatron_state_dicts,
+    qwen3_5_to_qwen3_next,
+    qwen3_next_to_qwen3_5,
+    to_fla_state_dict,
+    to_hf_state_dict,
+    to_megatron_state_dict,
+)
 from .base import HeadShardedLinearAttention, gated_rms_norm
 from .build import build_layer
 from .config import FAMILIES, LinearAttentionConfig
@@ -28,8 +43,17 @@ __all__ = [
     "LinearAttentionConfig",
     "ParameterLayout",
     "build_layer",
+    "config_from_fla_layer",
+    "from_fla_state_dict",
+    "from_hf_state_dict",
+    "from_megatron_state_dicts",
     "gated_rms_norm",
     "parameter_layouts",
+    "qwen3_5_to_qwen3_next",
+    "qwen3_next_to_qwen3_5",
     "shard_state_dict",
+    "to_fla_state_dict",
+    "to_hf_state_dict",
+    "to_megatron_state_dict",
     "unshard_state_dict",
 ]

@@ -65,6 +65,19 @@ class LinearAttentionConfig:
         if rank is not None and (not isinstance(rank, int) or isinstance(rank, bool) or rank < 1):
             raise ValueError(f"output_gate_rank must be None or a positive int, got {rank!r}")
 
+    @classmethod
+    def from_hf_config(cls, config) -> "LinearAttentionConfig":
+        """The linear-attention layer of a transformers config: model types qwen3_next, qwen3_5
+        (and qwen3_5_moe; their text_config), kimi_linear, glm5_next (its text_config).
+
+        Reads the head counts and dims, conv size, norm eps (rms_norm_eps: 1e-5 for Kimi and GLM),
+        GLM's gate lower bound (linear_lower_bound) and the KDA output gate's rank (head_dim). Raises
+        ValueError for another model type or a field value the layers do not implement.
+        """
+        from .adapters import _config_from_hf  # adapters imports this module
+
+        return _config_from_hf(config)
+
     @property
     def key_dim(self) -> int:
         return self.num_k_heads * self.head_k_dim

@@ -221,13 +221,16 @@ class _ReceiveStateFromPreviousRank(torch.autograd.Function):
     """Forward: receive the incoming recurrent state from the previous CP rank.
     Backward: send the state's gradient back to that rank.
 
-    ``anchor`` is an empty tensor that requires grad: it keeps this node in the graph even when
-    no op input on this rank requires grad, so the previous rank never waits for a send that
-    would not come."""
+    The previous rank waits for that send, so this node must run in every backward that reaches
+    this rank's graph. Its inputs make sure of it: the op's inputs (``upstream``, no gradient
+    flows to them from here), so a backward restricted to some inputs (``autograd.grad``,
+    ``backward(inputs=...)``) keeps the node whenever it reaches anything upstream of the op; and
+    ``anchor``, an empty leaf that requires grad, for a plain backward when no op input on this
+    rank requires grad."""
 
     @staticmethod
-    def forward(ctx, anchor, shape, dtype, device, group, src):
-        ctx.group, ctx.src = group, src
+    def forward(ctx, shape, dtype, device, group, src, anchor, *upstream):
+        ctx.group, ctx.src, ctx.num_upstream = group, src, len(upstream)
         state = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(state, src=src, group=group)
         return state
@@ -235,7 +238,7 @@ class _ReceiveStateFromPreviousRank(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         dist.isend(grad.contiguous(), dst=ctx.src, group=ctx.group).wait()
-        return None, None, None, None, None, None
+        return (None,) * (6 + ctx.num_upstream)
 
 
 class _SendStateToNextRank(torch.autograd.Function):
@@ -522,7 +525,9 @@ def delta_rule(
     initial_state = None
     if ctx.first_seq_continues:
         src = _global_rank(ctx.group, ctx.cp_rank - 1)
-        state_in = _ReceiveStateFromPreviousRank.apply(anchor, (HV, K, V), state_dtype, q.device, ctx.group, src)
+        upstream = [t for t in (q, k, v, g, beta) if t.requires_grad]
+        state_in = _ReceiveStateFromPreviousRank.apply((HV, K, V), state_dtype, q.device, ctx.group, src,
+                                                       anchor, *upstream)
         rest = state_in.new_zeros((num_seqs - 1, HV, K, V))
         initial_state = torch.cat([state_in.unsqueeze(0), rest], dim=0)
     o, final_state = fn(

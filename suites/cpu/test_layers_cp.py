@@ -2,9 +2,10 @@
 
 Each family, in one spawn call per (family, cp_size): CP = cp_size in the contiguous and the
 zigzag layout, in float64 (<= 1e-10) plus one float32 case (<= 1e-5); and TP x CP = 2 x 2 on four
-ranks, sequence parallel on and off. Compared: the output and the input gradient (put back
-together with cp_unshard) and every parameter gradient (summed over the CP group: the layer
-leaves them per-rank partial sums, for the training loop's data x context all-reduce).
+ranks, sequence parallel on and off. Compared, by the public harness (pytest_linattn.sharded_parity,
+which lays the tokens out itself): the output and the input gradient, and every parameter gradient
+(summed over the CP group: the layer leaves them per-rank partial sums, for the training loop's
+data x context all-reduce).
 
 Packings (contiguous): a length-1 sequence, a boundary inside a shard, one exactly on a shard
 edge, a sequence over >= 3 ranks (cp 4), pieces of 2 tokens, shorter than the conv halo of
@@ -16,9 +17,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import FAMILIES, assert_rules, check_parallel_cases, error_of, make_case, make_config, run_parallel_cases
+from layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config, random_state_dict
 from linattn.layers import build_layer
 from linattn.parallel import new_groups
+from pytest_linattn.sharded_parity import Placement, assert_parity_cases, rank_token_index
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -64,13 +66,12 @@ def test_cp_layer_matches_replicated(spawn, cp_size, packed_seqlens, family):
     cases = []
     for i, (layout, name, lengths, ratio, dtype) in enumerate(CP_PACKINGS[cp_size]):
         cases.append(make_case(make_config(family, ratio), _cu(lengths), seed=_seed(family, i, cp_size),
-                               cp=cp_size, layout=layout, dtype=dtype, name=name))
+                               cp=cp_size, layout=layout, dtype=dtype, name=name, rtol=RTOL))
     for j, layout in enumerate(("contiguous", "zigzag")):  # one seeded random packing per layout
         cu = packed_seqlens(8 * cp_size, cp_size=cp_size, layout=layout, seed=cp_size + j)
         cases.append(make_case(make_config(family, 2 + j), cu, seed=_seed(family, 7 + j, cp_size),
-                               cp=cp_size, layout=layout, name="random"))
-    per_rank = spawn(run_parallel_cases, cp_size, cases)
-    check_parallel_cases(cases, per_rank, rtol=RTOL)
+                               cp=cp_size, layout=layout, name="random", rtol=RTOL))
+    assert_parity_cases(spawn, cases, world_size=cp_size)
 
 
 @pytest.mark.tp_sizes(2)
@@ -80,9 +81,53 @@ def test_tp_cp_layer_matches_replicated(spawn, tp_size, cp_size, family):
     cases = []
     for i, (layout, name, lengths, sp, dtype) in enumerate(TP_CP_PACKINGS):
         cases.append(make_case(make_config(family, 2 + i % 2), _cu(lengths), seed=_seed(family, i, 5),
-                               tp=tp_size, cp=cp_size, layout=layout, sp=sp, dtype=dtype, name=name))
-    per_rank = spawn(run_parallel_cases, tp_size * cp_size, cases)
-    check_parallel_cases(cases, per_rank, rtol=RTOL)
+                               tp=tp_size, cp=cp_size, layout=layout, sp=sp, dtype=dtype, name=name, rtol=RTOL))
+    assert_parity_cases(spawn, cases, world_size=tp_size * cp_size)
+
+
+# ---- the ways to ask for gradients -------------------------------------------------------------
+
+GRAD_CALLS = ("backward", "autograd.grad", "backward(inputs=...)")
+
+
+def run_grad_calls(config, state_dict, x, dy, cu_seqlens, layout):
+    """On every rank: this rank's input and parameter gradients, asked for three ways (a plain
+    backward; torch.autograd.grad and backward(inputs=...), as pipeline schedules take input
+    gradients, which only run the graph between the loss and the inputs asked for)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    layer = build_layer(config, cp_group=dist.group.WORLD, cp_layout=layout, dtype=torch.float64)
+    layer.load_state_dict(state_dict)
+    params = list(layer.parameters())
+    index = rank_token_index(cu_seqlens, Placement(cp=size, cp_layout=layout), cp_rank=rank)
+    grads = {}
+    for how in GRAD_CALLS:
+        layer.zero_grad(set_to_none=True)
+        x_local = x[:, index].clone().requires_grad_()
+        loss = (layer(x_local, cu_seqlens) * dy[:, index]).sum()
+        if how == "autograd.grad":
+            grads[how] = torch.autograd.grad(loss, [x_local, *params])
+            continue
+        loss.backward(**({"inputs": [x_local, *params]} if how != "backward" else {}))
+        grads[how] = (x_local.grad, *(p.grad for p in params))
+    return grads
+
+
+@pytest.mark.cp_sizes(2, 4)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_cp_gradients_the_same_however_asked_for(spawn, cp_size, layout):
+    """Every rank's gradients from autograd.grad and backward(inputs=...) equal a plain
+    backward's, bitwise: no rank waits for a state gradient that a pruned node never sends."""
+    config = make_config("qwen3_5", 2)
+    # contiguous: the first sequence crosses every CP boundary; zigzag spreads each over all ranks
+    cu = _cu([8 * cp_size - 3, 3] if layout == "contiguous" else [6 * cp_size, 2 * cp_size])
+    gen = torch.Generator().manual_seed(cp_size)
+    x, dy = (torch.randn(1, int(cu[-1]), config.hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
+    spawn.timeout = 60  # a hang here is the bug: fail within a minute, with every rank's stack
+    per_rank = spawn(run_grad_calls, cp_size, config, random_state_dict(config, 3), x, dy, cu, layout)
+    for rank, grads in enumerate(per_rank):
+        for how in GRAD_CALLS[1:]:
+            for i, (got, want) in enumerate(zip(grads[how], grads["backward"])):
+                assert torch.equal(got, want), f"rank {rank}: {how} gradient {i} differs from backward()'s"
 
 
 # ---- rules ------------------------------------------------------------------------------------

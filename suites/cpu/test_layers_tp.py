@@ -3,17 +3,19 @@
 Each family runs, in one spawn call per (family, tp_size): value heads 2x and 3x the key heads,
 sequence parallel on and off, in float64 (<= 1e-10), plus one float32 case (<= 1e-5). Compared:
 the output, the input gradient and every parameter gradient (the ranks' gradients unsharded with
-unshard_state_dict). Inputs are packed sequences, one of them a single token. Cases, the rank
-function and the checks are suites/layer_parity.py's, shared with the CP and GPU layer tests.
+unshard_state_dict). Inputs are packed sequences, one of them a single token. Cases are
+suites/layer_parity.py's, shared with the CP and GPU layer tests; the checks are the public
+harness's (pytest_linattn.sharded_parity).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import FAMILIES, assert_rules, check_parallel_cases, error_of, make_case, make_config, run_parallel_cases
+from layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config
 from linattn.layers import LinearAttentionConfig, build_layer
 from linattn.parallel import new_groups
+from pytest_linattn.sharded_parity import assert_parity_cases
 
 SEQLENS = (5, 1, 7, 3)  # 16 tokens: divisible by TP = 2 and 4 for sequence parallel
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -25,7 +27,7 @@ def make_cases(family, tp_size):
     cu = torch.tensor([0, *SEQLENS]).cumsum(0).to(torch.int32)
     return [
         make_case(make_config(family, ratio), cu, seed=100 * FAMILIES.index(family) + i, tp=tp_size, sp=sp,
-                  dtype=dtype, name=f"gva{ratio}")
+                  dtype=dtype, name=f"gva{ratio}", rtol=RTOL)
         for i, (ratio, sp, dtype) in enumerate(specs)
     ]
 
@@ -34,9 +36,8 @@ def make_cases(family, tp_size):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp_layer_matches_replicated(spawn, tp_size, family):
     cases = make_cases(family, tp_size)
-    per_rank = spawn(run_parallel_cases, tp_size, cases)
-    # also checks that every TP rank holds the same (TP-summed) replicated-weight gradient
-    check_parallel_cases(cases, per_rank, rtol=RTOL)
+    # also checks that every TP rank holds the same (TP-summed) replicated-weight gradient, bitwise
+    assert_parity_cases(spawn, cases, world_size=tp_size)
 
 
 # ---- rules that need a process group ---------------------------------------------------------

@@ -1,8 +1,8 @@
 """CP = 2 over NCCL: bf16 layers on two GPUs (fla's chunk kernels and causal conv with an fla CP
 context, linattn.parallel.cp_fla) against the float64 replicated layer on the CPU, same weights
 and inputs, in the contiguous and the zigzag layout: output, dx and every parameter gradient
-(summed over the CP ranks) <= 2e-2 relative. One spawn call per family runs every case; cases, the
-rank function and the checks are suites/layer_parity.py's.
+(summed over the CP ranks) <= 2e-2 relative. One spawn call per family runs every case; cases are
+suites/layer_parity.py's, the checks the public harness's (pytest_linattn.sharded_parity).
 
 Packings from the plugin's packed_seqlens (seeded): contiguous with a sequence crossing the CP
 edge, and with a boundary exactly on it; zigzag with every length divisible by 2 * cp.
@@ -16,7 +16,8 @@ if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs
 pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
 
 from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
-from layer_parity import check_parallel_cases, gpu_config, make_case, run_parallel_cases  # noqa: E402
+from layer_parity import gpu_config, make_case  # noqa: E402
+from pytest_linattn.sharded_parity import assert_parity_cases  # noqa: E402
 from pytest_linattn.seqlens import packed_seqlens  # noqa: E402
 
 pytestmark = pytest.mark.gpus(2)
@@ -37,7 +38,6 @@ def test_cp2_bf16_layer_matches_float64(spawn, cp_size, family):
         ("zigzag", "zz", packed_seqlens(T, cp_size=cp_size, layout="zigzag", seed=seed)),
     ]
     cases = [make_case(config, cu, seed=seed, cp=cp_size, layout=layout, dtype=DTYPE, name=name,
-                       fla_init=True, round_to=DTYPE)
+                       fla_init=True, round_to=DTYPE, rtol=RTOL, reference_dtype=torch.float64)
              for layout, name, cu in packings]
-    per_rank = spawn(run_parallel_cases, cp_size, cases)
-    check_parallel_cases(cases, per_rank, rtol=RTOL, reference_dtype=torch.float64, replicated_equal=False)
+    assert_parity_cases(spawn, cases, world_size=cp_size, bitwise_replicated=False)

@@ -4,8 +4,8 @@ parallel on and off), CP = 4 (contiguous and zigzag), TP x CP = 2 x 2 (both layo
 off). Output, dx and every parameter gradient (summed over CP, unsharded over TP) <= 2e-2.
 
 One spawn call per family runs every placement on the same world (new_groups per placement);
-cases with the same packing share weights, inputs and one float64 reference. Cases, the rank
-function and the checks are suites/layer_parity.py's.
+cases with the same packing share weights, inputs and one float64 reference. Cases are
+suites/layer_parity.py's, the checks the public harness's (pytest_linattn.sharded_parity).
 """
 
 import pytest
@@ -16,7 +16,8 @@ if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs
 pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
 
 from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
-from layer_parity import check_parallel_cases, gpu_config, make_case, run_parallel_cases  # noqa: E402
+from layer_parity import gpu_config, make_case  # noqa: E402
+from pytest_linattn.sharded_parity import assert_parity_cases  # noqa: E402
 from pytest_linattn.seqlens import packed_seqlens  # noqa: E402
 
 pytestmark = pytest.mark.gpus(4)
@@ -45,7 +46,7 @@ def test_parallel_bf16_layer_matches_float64(spawn, family):
     # packed for cp 4 (a sequence over >= 3 ranks, a boundary on a shard edge): valid for cp 2 too
     packings = {layout: packed_seqlens(T, cp_size=4, layout=layout, seed=seed) for layout in ("contiguous", "zigzag")}
     cases = [make_case(config, packings[layout], seed=seed, tp=tp, cp=cp, layout=layout, sp=sp, dtype=DTYPE,
-                       name=layout, fla_init=True, round_to=DTYPE)
+                       name=layout, fla_init=True, round_to=DTYPE, rtol=RTOL,
+                       reference_dtype=torch.float64)
              for tp, cp, layout, sp in PLACEMENTS]
-    per_rank = spawn(run_parallel_cases, WORLD, cases)
-    check_parallel_cases(cases, per_rank, rtol=RTOL, reference_dtype=torch.float64, replicated_equal=False)
+    assert_parity_cases(spawn, cases, world_size=WORLD, bitwise_replicated=False)

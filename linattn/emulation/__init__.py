@@ -1,0 +1,31 @@
+"""fla 0.6.0's public linear-attention ops computed with linattn's float64 references.
+
+    from linattn.emulation import fla_on_cpu
+
+    with fla_on_cpu():                 # compute_dtype=torch.float64
+        layer = fla.layers.KimiDeltaAttention(...)   # fla's own layer, unchanged
+        y, *_ = layer(x)               # chunk_kda, ShortConvolution, FusedRMSNormGated: emulated
+
+So code written on fla (fla's layers, transformers' modules with fla installed, megatron-core's
+GatedDeltaNet, a team's head-sharded layer) runs on a CPU, in float64, over gloo, and the
+plugin's parity checks apply to it. The pytest fixture ``fla_on_cpu`` (and the option
+``--linattn-fla-on-cpu``) keeps it active in the test and in every rank ``spawn`` runs.
+
+What is emulated, per module (each declares ``PATCHES``):
+
+    delta_rules  chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_kda,
+                 fused_recurrent_kda, fla's KDA / GDN gate functions, l2norm
+    conv         causal_conv1d, ShortConvolution
+    norm         FusedRMSNormGated and the gated-norm functions
+    cp           build_cp_context; the ops' and the conv's ``cp_context=`` run linattn.parallel.cp's
+                 exchange over the context's group
+
+Any argument value the emulation does not implement raises NotImplementedError naming the
+function, the argument and the value. The ops compute on the inputs' device (CPU here); outputs
+come back in the input dtype, recurrent states in float32 (float64 for float64 inputs), as fla's.
+See docs/fla-on-cpu.md.
+"""
+
+from .patching import FLA_VERSION, active_compute_dtype, fla_on_cpu
+
+__all__ = ["FLA_VERSION", "active_compute_dtype", "fla_on_cpu"]

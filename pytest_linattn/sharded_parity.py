@@ -1,0 +1,481 @@
+"""Parity of a sharded layer with its replicated reference, over TP / SP / CP placements.
+
+The pattern: the replicated layer (the reference, float64) runs once in the test process on a
+packed batch; the sharded layer is built on every rank of a `spawn` world, loaded with its shard
+of the same weights, and runs forward and backward on the tokens its placement gives the rank;
+outputs, input gradients and parameter gradients are put back together and compared with
+`assert_parity` (relative Frobenius error per tensor; failures located by sequence, token, head).
+
+A client describes its layer with a `ShardedLayer` (module-level callables: they cross to the
+ranks by pickle-by-reference) and calls `assert_sharded_parity` (one layer, several placements)
+or `assert_parity_cases` (any list of `ParityCase`s). Placements whose world sizes match share
+one spawn call; a world larger than tp * cp holds data-parallel replicas, each checked.
+
+Ranks: global rank = tp_rank + tp * (cp_rank + cp * dp_rank) (Megatron's order, as
+`linattn.parallel.new_groups`); a client that makes its own groups must lay them out the same way.
+
+Token layout (computed here from this definition, not by the library under test, so a layout
+bug shared by a layer and its helpers still shows). T = cu_seqlens[-1]:
+    contiguous  CP rank r holds tokens [r*T/cp, (r+1)*T/cp)
+    zigzag      every sequence is cut into 2*cp equal chunks; CP rank r holds chunks r and
+                2*cp-1-r of each sequence, sequences in order
+    SP          the CP rank's tokens are cut again into tp contiguous slices; TP rank t holds
+                slice t. Without SP every TP rank holds its CP rank's tokens (each is checked).
+
+Gradient rule (the one place it is stated):
+    TP-sharded parameters    each TP rank's gradient goes to the client's `unshard`, in TP rank
+                             order, which puts the replicated layer's gradient back together.
+    TP-replicated parameters (`ShardedLayer.replicated`) after backward and the client's own
+                             reduction (`after_backward`) every TP rank must hold the same
+                             gradient (bitwise, or to rtol), and the unsharded one must match the
+                             reference: a replicated weight whose gradient is not reduced over TP
+                             fails, naming the parameter and the TP ranks.
+    over CP (and SP tokens)  each CP rank's gradient is a partial sum over its own tokens (the
+                             training loop's all-reduce over data x context ranks completes it);
+                             the harness sums them over the CP group before unsharding.
+
+This module imports no pytest; the `spawn` argument is anything with spawn's call shape
+(`spawn(fn, world_size, *args)` -> the ranks' return values in rank order, tensors on CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from collections.abc import Callable, Collection, Sequence
+
+import torch
+
+from .parity import _check_cu_seqlens, _check_rtol, assert_parity
+
+__all__ = [
+    "LAYOUTS",
+    "ParityCase",
+    "Placement",
+    "ShardedLayer",
+    "assert_parity_cases",
+    "assert_sharded_parity",
+    "default_process_groups",
+    "rank_token_index",
+]
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def _positive_int(value, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a sharded layer runs: TP size, CP size and layout, sequence parallel on/off."""
+
+    tp: int = 1
+    cp: int = 1
+    cp_layout: str = "contiguous"
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        _positive_int(self.tp, "Placement.tp")
+        _positive_int(self.cp, "Placement.cp")
+        if self.cp_layout not in LAYOUTS:
+            raise ValueError(f"Placement.cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"Placement.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("Placement.sequence_parallel needs tp > 1 (SP splits tokens over the TP group)")
+
+    @property
+    def size(self) -> int:
+        """Ranks one copy of the layer spans: tp * cp."""
+        return self.tp * self.cp
+
+    @property
+    def name(self) -> str:
+        """`tp2-sp/cp2-zigzag`, `tp4`, `cp2-contiguous`; `replicated` for one rank."""
+        parts = []
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("-sp" if self.sequence_parallel else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}-{self.cp_layout}")
+        return "/".join(parts) or "replicated"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def default_process_groups(placement: Placement):
+    """(tp_group, cp_group) of this rank from `linattn.parallel.new_groups` (None for a size of 1)."""
+    from linattn.parallel import new_groups
+
+    return new_groups(placement.tp, placement.cp)
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayer:
+    """A client's sharded layer: how to make it on a rank, shard its weights, unshard gradients.
+
+    Every callable must be module-level (or a functools.partial of one): it is pickled by
+    reference to spawn's ranks.
+
+    build(placement, groups, dtype, device) -> nn.Module
+        On every rank: the sharded layer for `placement`, parameters in `dtype` on `device`
+        (values are overwritten by `shard`'s). `groups` is what `process_groups` returned.
+    shard(full_state_dict, placement, tp_rank) -> dict
+        The TP rank's parameters (named as the built module's `named_parameters()`, exactly
+        those) from the replicated layer's weights (named as the reference's parameters).
+    unshard(local_grads, placement) -> dict
+        The replicated layer's gradient dict (reference names) from the TP ranks' gradient
+        dicts, in TP rank order (each already summed over CP; see the module's gradient rule).
+    replicated
+        Names of the built module's parameters that every TP rank holds whole: their gradients
+        must be equal on every TP rank after `after_backward`.
+    process_groups(placement) -> groups
+        Collective, on every rank, once per distinct (process_groups, tp, cp) of a spawn call,
+        before those placements' layers are built (a client with global parallel state re-initialises it
+        here). Default: `default_process_groups`.
+    forward(module, x_local, cu_seqlens, placement) -> y_local
+        How to call the layer; x_local and y_local are `[1, T_local, hidden]`, cu_seqlens the
+        whole batch's (on the rank's device). Default: `module(x_local, cu_seqlens)`.
+    after_backward(module, placement)
+        The client's own gradient reduction after backward (a trainer's finalize step), if any.
+    """
+
+    build: Callable
+    shard: Callable
+    unshard: Callable
+    replicated: Collection[str] = frozenset()
+    process_groups: Callable = default_process_groups
+    forward: Callable | None = None
+    after_backward: Callable | None = None
+
+    def __post_init__(self):
+        for field in ("build", "shard", "unshard", "process_groups"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"ShardedLayer.{field} must be callable, got {getattr(self, field)!r}")
+        for field in ("forward", "after_backward"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
+                raise ValueError(f"ShardedLayer.{field} must be callable or None, got {getattr(self, field)!r}")
+        if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
+            raise ValueError(f"ShardedLayer.replicated must be a collection of parameter names, got {self.replicated!r}")
+        object.__setattr__(self, "replicated", frozenset(self.replicated))
+        try:  # fail here, not inside spawn: the ranks get the callables by reference
+            pickle.dumps(self)
+        except Exception as exc:  # noqa: BLE001 - reported as bad input
+            raise ValueError(f"ShardedLayer's callables must be module-level (spawn pickles them by reference): {exc}") from None
+
+
+def _as_cu_seqlens(cu_seqlens) -> torch.Tensor:
+    cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.as_tensor(cu_seqlens)
+    _check_cu_seqlens(cu)
+    return cu.to(torch.int32)
+
+
+def _check_layout(bounds: list[int], placement: Placement) -> None:
+    """ValueError unless the packing `bounds` can be laid out for `placement`."""
+    T, cp, tp = bounds[-1], placement.cp, placement.tp
+    if placement.cp_layout == "contiguous" and T % cp:
+        raise ValueError(f"cu_seqlens: contiguous CP needs the total token count divisible by cp: {T} % {cp} != 0")
+    if placement.cp_layout == "zigzag":
+        for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if (end - start) % (2 * cp):
+                raise ValueError(f"cu_seqlens: zigzag CP needs every sequence length divisible by 2*cp={2 * cp}; "
+                                 f"sequence {i} has {end - start} tokens")
+    if placement.sequence_parallel and (T // cp) % tp:
+        raise ValueError(f"cu_seqlens: sequence parallel needs each CP rank's token count divisible by tp: "
+                         f"{T // cp} % {tp} != 0")
+
+
+def rank_token_index(cu_seqlens, placement: Placement, tp_rank: int = 0, cp_rank: int = 0) -> torch.Tensor:
+    """Global token indices (int64) that rank (tp_rank, cp_rank) holds, in its local order (the
+    module docstring's layout). ValueError when the packing does not fit the placement."""
+    cu = _as_cu_seqlens(cu_seqlens)
+    bounds = [int(b) for b in cu.tolist()]
+    _check_layout(bounds, placement)
+    tp, cp = placement.tp, placement.cp
+    if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp and isinstance(cp_rank, int) and 0 <= cp_rank < cp):
+        raise ValueError(f"rank_token_index: tp_rank must be in [0, {tp}) and cp_rank in [0, {cp}), got {tp_rank!r}, {cp_rank!r}")
+    if placement.cp_layout == "contiguous":
+        n = bounds[-1] // cp
+        index = torch.arange(cp_rank * n, (cp_rank + 1) * n)
+    else:
+        pieces = [torch.zeros(0, dtype=torch.int64)]
+        for start, end in zip(bounds, bounds[1:]):
+            chunk = (end - start) // (2 * cp)
+            for c in (cp_rank, 2 * cp - 1 - cp_rank):
+                pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+        index = torch.cat(pieces)
+    if placement.sequence_parallel:
+        n = index.numel() // tp
+        index = index[tp_rank * n:(tp_rank + 1) * n]
+    return index
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParityCase:
+    """One placement of one sharded layer on one packed batch, and the replicated layer it must match.
+
+    reference: the replicated layer (an nn.Module, float64 as a rule), run in the test process;
+        its named parameters are the full weights every rank shards, its dtype the reference's.
+    cu_seqlens: the packed batch's sequence boundaries. x, dy: the whole batch's input and output
+        cotangent `[1, T, hidden]` (seeded random values, never zeros).
+    dtype: the sharded layer's parameter and input dtype. rtol: the tolerance of every comparison.
+    reference_forward(reference, x, cu_seqlens) -> y: how to call the reference (default
+        `reference(x, cu_seqlens)`). Cases sharing reference, x, dy and cu_seqlens share one run.
+    """
+
+    layer: ShardedLayer
+    placement: Placement
+    reference: torch.nn.Module
+    cu_seqlens: torch.Tensor
+    x: torch.Tensor
+    dy: torch.Tensor
+    rtol: float
+    dtype: torch.dtype = torch.float64
+    name: str = ""
+    reference_forward: Callable | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.layer, ShardedLayer):
+            raise ValueError(f"ParityCase.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        if not isinstance(self.placement, Placement):
+            raise ValueError(f"ParityCase.placement must be a Placement, got {type(self.placement).__name__}")
+        if not isinstance(self.reference, torch.nn.Module):
+            raise ValueError(f"ParityCase.reference must be a torch.nn.Module, got {type(self.reference).__name__}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"ParityCase.dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "rtol", _check_rtol(self.rtol))
+        cu = _as_cu_seqlens(self.cu_seqlens)
+        object.__setattr__(self, "cu_seqlens", cu)
+        T = int(cu[-1])
+        for field in ("x", "dy"):
+            t = getattr(self, field)
+            if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.shape[0] != 1 or t.shape[1] != T:
+                raise ValueError(f"ParityCase.{field} must be a [1, T={T}, ...] tensor (T = cu_seqlens[-1]), "
+                                 f"got {getattr(t, 'shape', type(t).__name__)}")
+        if self.dy.shape != self.x.shape:
+            raise ValueError(f"ParityCase.dy must have x's shape {tuple(self.x.shape)}, got {tuple(self.dy.shape)}")
+        _check_layout([int(b) for b in cu.tolist()], self.placement)
+        if not self.name:
+            object.__setattr__(self, "name", self.placement.name)
+
+
+def assert_sharded_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module, placements: Sequence[Placement],
+                          cu_seqlens, *, hidden_size: int, seed: int, rtol: float, dtype: torch.dtype = torch.float64,
+                          world_size: int | None = None, bitwise_replicated: bool = True,
+                          reference_forward: Callable | None = None, name: str = "") -> None:
+    """`layer` at every placement against `reference` on one packed batch: output, input gradient
+    and every parameter gradient within `rtol` (the module's gradient rule), AssertionError naming
+    the case, the tensor and where it is off otherwise.
+
+    x and dy `[1, T, hidden_size]` are drawn from N(0, 1) seeded by `seed` (in the failure names).
+    world_size: one spawn world for every placement (each tp * cp must divide it; the rest are
+    data-parallel replicas); default one world per distinct tp * cp.
+    bitwise_replicated: TP-replicated gradients must be bit-identical across TP ranks (an
+    all-reduce gives that); False compares them to rtol.
+    """
+    cu = _as_cu_seqlens(cu_seqlens)
+    _positive_int(hidden_size, "hidden_size")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    placements = list(placements)
+    if not placements:
+        raise ValueError("placements must hold at least one Placement")
+    gen = torch.Generator().manual_seed(seed)
+    x, dy = (torch.randn(1, int(cu[-1]), hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
+    prefix = f"{name}/" if name else ""
+    cases = [ParityCase(layer, p, reference, cu, x, dy, rtol, dtype, name=f"{prefix}{p.name}/seed{seed}",
+                        reference_forward=reference_forward)
+             for p in placements]
+    assert_parity_cases(spawn, cases, world_size=world_size, bitwise_replicated=bitwise_replicated)
+
+
+def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int | None = None,
+                        bitwise_replicated: bool = True) -> None:
+    """Every case against its reference (as `assert_sharded_parity`), cases of the same world
+    size in one spawn call (or all in one world of `world_size`)."""
+    cases = list(cases)
+    if not cases or not all(isinstance(c, ParityCase) for c in cases):
+        raise ValueError("cases must be a non-empty sequence of ParityCase")
+    if world_size is not None:
+        _positive_int(world_size, "world_size")
+        for c in cases:
+            if world_size % c.placement.size:
+                raise ValueError(f"world_size {world_size} must be a multiple of tp * cp = {c.placement.size} "
+                                 f"of placement {c.placement.name} (case {c.name})")
+    batches: dict[int, list[int]] = {}
+    for i, c in enumerate(cases):
+        batches.setdefault(world_size or c.placement.size, []).append(i)
+    runs: dict[tuple, tuple] = {}
+    references = [_reference_run(c, runs) for c in cases]  # before spawn: a bad reference fails fast
+    for world, indices in batches.items():
+        per_rank = spawn(run_cases_on_rank, world, [_RankCase.of(cases[i]) for i in indices])
+        for j, i in enumerate(indices):
+            _check_case(cases[i], [r[j] for r in per_rank], references[i], bitwise_replicated)
+
+
+# ----------------------------------------------------------------------------------------------
+# the test process: the reference, and putting the ranks' results back together
+
+
+def _reference_run(case: ParityCase, runs: dict):
+    key = (id(case.reference), id(case.x), id(case.dy), tuple(case.cu_seqlens.tolist()), case.reference_forward)
+    if key not in runs:
+        ref = case.reference
+        dtype = next(ref.parameters()).dtype
+        for p in ref.parameters():
+            p.grad = None
+        x = case.x.detach().to(dtype).clone().requires_grad_()
+        with torch.enable_grad():
+            y = case.reference_forward(ref, x, case.cu_seqlens) if case.reference_forward else ref(x, case.cu_seqlens)
+            (y * case.dy.to(dtype)).sum().backward()
+        runs[key] = (y.detach(), x.grad, {n: p.grad for n, p in ref.named_parameters()})
+    return runs[key]
+
+
+def _gather_tokens(holders, ref, case, what):
+    """The whole batch `[1, T, ...]` from the (tp_rank, cp_rank) -> tensor pieces in `holders`;
+    tokens nobody holds stay NaN (never passes)."""
+    full = torch.full(tuple(ref.shape), math.nan, dtype=torch.float64)
+    for (t, c), piece in holders.items():
+        index = rank_token_index(case.cu_seqlens, case.placement, t, c)
+        if piece is None or tuple(piece.shape) != (1, index.numel(), *ref.shape[2:]):
+            raise AssertionError(f"{case.name} {what}: TP rank {t}, CP rank {c} returned shape "
+                                 f"{None if piece is None else tuple(piece.shape)}; its tokens are "
+                                 f"{(1, index.numel(), *ref.shape[2:])}")
+        full[:, index] = piece.double()
+    return full
+
+
+def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) -> None:
+    p, cu, rtol = case.placement, case.cu_seqlens, case.rtol
+    tp, cp = p.tp, p.cp
+    y_ref, dx_ref, grads_ref = reference
+    world = len(results)
+    for d in range(world // p.size):
+        label = case.name + (f"/dp{d}" if world > p.size else "")
+
+        def at(t, c, d=d):
+            return results[t + tp * (c + cp * d)]
+
+        for what, k, ref in (("output", 0, y_ref), ("dx", 1, dx_ref)):
+            if p.sequence_parallel:  # every rank holds its own slice
+                views = {"": {(t, c): at(t, c)[k] for t in range(tp) for c in range(cp)}}
+            else:  # every TP rank holds its CP rank's tokens: each TP rank checked
+                views = {(f" tp_rank{t}" if tp > 1 else ""): {(t, c): at(t, c)[k] for c in range(cp)}
+                         for t in range(tp)}
+            for suffix, holders in views.items():
+                full = _gather_tokens(holders, ref, case, what + suffix)
+                assert_parity(full, ref, rtol=rtol, name=f"{label} {what}{suffix}", cu_seqlens=cu)
+        names = set(at(0, 0)[2])
+        unknown = sorted(case.layer.replicated - names)
+        if unknown:
+            raise ValueError(f"ShardedLayer.replicated names {unknown}, not parameters of the built module "
+                             f"(its parameters: {sorted(names)})")
+        if tp > 1:
+            for name in sorted(case.layer.replicated):
+                for c in range(cp):
+                    where = f" (CP rank {c})" if cp > 1 else ""
+                    _check_replicated(label, name, [at(t, c)[2][name] for t in range(tp)], where, rtol,
+                                      bitwise_replicated)
+        per_tp = []
+        for t in range(tp):
+            grads = [at(t, c)[2] for c in range(cp)]
+            per_tp.append({n: _sum_over_cp([g.get(n) for g in grads]) for n in grads[0]})
+        assert_parity(case.layer.unshard(per_tp, p), grads_ref, rtol=rtol, name=f"{label} grad")
+
+
+def _check_replicated(label, name, grads, where, rtol, bitwise):
+    first = grads[0]
+    for t, g in enumerate(grads[1:], start=1):
+        if first is None or g is None:
+            raise AssertionError(f"{label} grad {name}: no gradient on TP rank {0 if first is None else t}{where}")
+        if bitwise:
+            if not torch.equal(g, first):
+                diff = float((g.double() - first.double()).abs().max())
+                raise AssertionError(
+                    f"{label} grad {name}: TP-replicated parameter, but TP ranks 0 and {t}{where} hold different "
+                    f"gradients (max |diff| {diff:.2e}): its gradient must be reduced over the TP group")
+        else:
+            assert_parity(g, first, rtol=rtol,
+                          name=f"{label} grad {name}: TP-replicated, TP rank {t} vs TP rank 0{where}")
+
+
+def _sum_over_cp(grads):
+    present = [g.double() for g in grads if g is not None]
+    return torch.stack(present).sum(0) if present else None
+
+
+# ----------------------------------------------------------------------------------------------
+# the ranks
+
+
+@dataclasses.dataclass(frozen=True)
+class _RankCase:
+    """What a rank needs of a ParityCase (the reference stays in the test process)."""
+
+    layer: ShardedLayer
+    placement: Placement
+    weights: dict
+    cu_seqlens: torch.Tensor
+    x: torch.Tensor
+    dy: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, case: ParityCase) -> _RankCase:
+        weights = {n: p.detach() for n, p in case.reference.named_parameters()}
+        return cls(case.layer, case.placement, weights, case.cu_seqlens, case.x, case.dy, case.dtype)
+
+
+def run_cases_on_rank(cases: Sequence[_RankCase]):
+    """Rank function (for spawn): this rank's (y, dx, parameter grads) of every case.
+
+    Cases run grouped by (process_groups, tp, cp), in first-appearance order, so a client with
+    global parallel state initialises it once per group of cases."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    order: dict[tuple, list[int]] = {}
+    for i, c in enumerate(cases):
+        order.setdefault((c.layer.process_groups, c.placement.tp, c.placement.cp), []).append(i)
+    results = [None] * len(cases)
+    for (make_groups, _, _), indices in order.items():
+        groups = make_groups(cases[indices[0]].placement)
+        for i in indices:
+            results[i] = _run_case(cases[i], groups, rank, device)
+    return results
+
+
+def _load(module: torch.nn.Module, local: dict) -> None:
+    params = dict(module.named_parameters())
+    missing, unexpected = sorted(params.keys() - local.keys()), sorted(local.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(f"ShardedLayer.shard must return exactly the built module's parameters: "
+                         f"missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for n, param in params.items():
+            if tuple(local[n].shape) != tuple(param.shape):
+                raise ValueError(f"ShardedLayer.shard gave {n} shape {tuple(local[n].shape)}; "
+                                 f"the built module's parameter has {tuple(param.shape)}")
+            param.copy_(local[n])
+
+
+def _run_case(case: _RankCase, groups, rank: int, device):
+    p = case.placement
+    tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
+    module = case.layer.build(p, groups, case.dtype, device)
+    _load(module, case.layer.shard(case.weights, p, tp_rank))
+    index = rank_token_index(case.cu_seqlens, p, tp_rank, cp_rank)
+    x = case.x[:, index].to(device, case.dtype).requires_grad_()
+    dy = case.dy[:, index].to(device, case.dtype)
+    cu = case.cu_seqlens.to(device)
+    y = case.layer.forward(module, x, cu, p) if case.layer.forward else module(x, cu)
+    (y * dy).sum().backward()
+    if case.layer.after_backward is not None:
+        case.layer.after_backward(module, p)
+    return y.detach(), x.grad, {n: q.grad for n, q in module.named_parameters()}

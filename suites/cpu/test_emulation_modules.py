@@ -1,0 +1,396 @@
+"""linattn.emulation's conv, norm and cp modules: fla's short convolution, gated norms and CP
+context, against direct float64 formulas and linattn.reference, with gradchecks, the switch's
+swap and restore, refusals, and CP 2/4 over spawn against the single-process result."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn.emulation import conv, cp as emulation_cp, fla_on_cpu, norm
+from linattn.reference import short_conv
+from pytest_linattn import assert_parity
+
+F64 = torch.float64
+RTOL = 1e-12
+CP_RTOL = 1e-10
+D, W = 3, 4
+CU = torch.tensor([0, 1, 6, 9])  # a length-1 sequence, one longer than W, one shorter
+
+
+def _randn(gen, *shape, dtype=F64):
+    return torch.randn(*shape, generator=gen, dtype=dtype)
+
+
+def _direct_conv(x, weight, bias, activation, cu, initial_state=None):
+    """y[t] = act(bias + sum_s weight[:, W-1-s] * z[t-s]), z = the cache's last W-1 slots then the sequence."""
+    W_ = weight.shape[1]
+    out = torch.empty_like(x)
+    bounds = cu.tolist()
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        history = initial_state[n, :, 1:].T if initial_state is not None else x.new_zeros(W_ - 1, x.shape[2])
+        z = torch.cat([history, x[0, a:b]])
+        for t in range(b - a):
+            window = z[t: t + W_]  # [W, D], oldest first
+            y = (window.T * weight).sum(1) + (bias if bias is not None else 0)
+            out[0, a + t] = F.silu(y) if activation else y
+    return out
+
+
+def _direct_final_state(x, W_, cu, initial_state=None):
+    bounds = cu.tolist()
+    states = []
+    for n, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+        before = initial_state[n] if initial_state is not None else x.new_zeros(x.shape[2], W_)
+        states.append(torch.cat([before, x[0, a:b].T], dim=1)[:, -W_:])
+    return torch.stack(states)
+
+
+# ------------------------------------------------------------------------------------------
+# causal_conv1d, its decode step, ShortConvolution
+
+
+@pytest.mark.parametrize("activation", [None, "silu", "swish"])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_causal_conv1d_matches_reference(activation, with_bias):
+    gen = torch.Generator().manual_seed(11 + with_bias)
+    T, N = int(CU[-1]), CU.numel() - 1
+    x, weight = _randn(gen, 1, T, D), _randn(gen, D, W)
+    bias = _randn(gen, D) if with_bias else None
+    cache, residual = _randn(gen, N, D, W), _randn(gen, 1, T, D)
+
+    y, state = conv.causal_conv1d(x, weight, bias, activation=activation, cu_seqlens=CU)
+    assert state is None
+    assert_parity(y, short_conv(x, weight, CU, bias, activation), rtol=RTOL, name="y", cu_seqlens=CU)
+
+    for backend in conv.BACKENDS:
+        y, state = conv.causal_conv1d(x, weight, bias, residual, cache, True, activation, backend, cu_seqlens=CU)
+        expected = _direct_conv(x, weight, bias, activation, CU, cache) + residual
+        assert state.shape == (N, D, W) and state.dtype == x.dtype
+        assert_parity(y, expected, rtol=RTOL, name=f"{backend}/y with cache", cu_seqlens=CU)
+        assert_parity(state, _direct_final_state(x, W, CU, cache), rtol=RTOL, name="final state")
+    _, state = conv.causal_conv1d(x, weight, bias, output_final_state=True, activation=activation, cu_seqlens=CU)
+    assert_parity(state, _direct_final_state(x, W, CU), rtol=RTOL, name="final state without cache")
+
+
+def test_causal_conv1d_batched_heads_and_dtype():
+    gen = torch.Generator().manual_seed(5)
+    B, T, H, K = 2, 5, 2, 2
+    x, weight, cache = _randn(gen, B, T, H, K), _randn(gen, H * K, W), _randn(gen, B, H * K, W)
+    y, state = conv.causal_conv1d(x, weight, initial_state=cache, output_final_state=True, activation="silu")
+    assert y.shape == x.shape
+    flat = x.flatten(2)
+    for b in range(B):
+        cu = torch.tensor([0, T])
+        expected = _direct_conv(flat[b: b + 1], weight, None, "silu", cu, cache[b: b + 1])
+        assert_parity(y[b: b + 1].flatten(2), expected, rtol=RTOL, name=f"batch {b}")
+        assert_parity(state[b: b + 1], _direct_final_state(flat[b: b + 1], W, cu, cache[b: b + 1]), rtol=RTOL,
+                      name="state")
+    y32, state32 = conv.causal_conv1d(x.float(), weight.float(), initial_state=cache.float(), output_final_state=True)
+    assert y32.dtype == state32.dtype == torch.float32
+
+
+def test_causal_conv1d_gradcheck_with_cache():
+    gen = torch.Generator().manual_seed(3)
+    cu = torch.tensor([0, 1, 4])
+    W_ = 3
+    inputs = [_randn(gen, *s).requires_grad_() for s in ((1, 4, 2), (2, W_), (2,), (1, 4, 2), (2, 2, W_))]
+
+    def f(x, weight, bias, residual, cache):
+        return conv.causal_conv1d(x, weight, bias, residual, cache, True, "silu", cu_seqlens=cu)
+
+    assert torch.autograd.gradcheck(f, inputs)
+    y, state = f(*inputs)
+    (y.sum() + state.sum()).backward()
+    assert inputs[4].grad[:, :, 1:].abs().sum() > 0  # the cache's used slots get gradient
+
+
+def test_causal_conv1d_update_shifts_cache_in_place():
+    gen = torch.Generator().manual_seed(4)
+    N = 3
+    x, weight, bias, cache, residual = (_randn(gen, N, D), _randn(gen, D, W), _randn(gen, D), _randn(gen, N, D, W),
+                                        _randn(gen, N, D))
+    old = cache.clone()
+    y, out_cache = conv.causal_conv1d_update(x.unsqueeze(1), cache, residual.unsqueeze(1), weight, bias, "silu")
+    assert out_cache is cache and y.shape == (N, 1, D)
+    window = torch.cat([old[:, :, 1:], x.unsqueeze(-1)], dim=-1)
+    assert_parity(cache, window, rtol=RTOL, name="cache")
+    assert_parity(y[:, 0], F.silu((window * weight).sum(-1) + bias) + residual, rtol=RTOL, name="y")
+
+
+def test_short_convolution_through_the_switch():
+    import fla.modules
+    from fla.modules.causal_conv1d import ops
+
+    originals = (ops.ShortConvolution.forward, ops.ShortConvolution.step, ops.causal_conv1d, ops.causal_conv1d_update)
+    gen = torch.Generator().manual_seed(6)
+    T, N = int(CU[-1]), CU.numel() - 1
+    x, cache = _randn(gen, 1, T, D), _randn(gen, N, D, W)
+    with fla_on_cpu():
+        import fla.modules.convolution as alias
+
+        patched = conv.PATCHES
+        assert alias.causal_conv1d is patched["fla.modules.causal_conv1d.ops:causal_conv1d"]
+        assert alias.causal_conv1d_update is patched["fla.modules.causal_conv1d.ops:causal_conv1d_update"]
+        layer = fla.modules.ShortConvolution(D, W, bias=True, activation="silu", dtype=F64)
+        with torch.no_grad():
+            layer.weight.copy_(_randn(gen, D, 1, W))
+            layer.bias.copy_(_randn(gen, D))
+        y, state = layer(x, cache=cache, output_final_state=True, cu_seqlens=CU)
+        weight = layer.weight[:, 0].detach()
+        assert_parity(y, _direct_conv(x, weight, layer.bias.detach(), "silu", CU, cache), rtol=RTOL, name="y",
+                      cu_seqlens=CU)
+        y.sum().backward()
+        assert layer.weight.grad is not None and layer.bias.grad is not None  # the module's own parameters
+        # decode: autograd off, one token per sequence -> step, the cache updated in place
+        token, step_cache = _randn(gen, N, 1, D), state.detach().clone()
+        with torch.no_grad():
+            y_step, new_cache = layer(token, cache=step_cache, output_final_state=True)
+            y_full, _ = conv.causal_conv1d(token, weight, layer.bias, initial_state=state.detach(), activation="silu")
+        assert new_cache is step_cache
+        assert_parity(y_step, y_full, rtol=RTOL, name="step")
+    assert (ops.ShortConvolution.forward, ops.ShortConvolution.step, ops.causal_conv1d,
+            ops.causal_conv1d_update) == originals
+    assert alias.causal_conv1d is ops.causal_conv1d
+
+
+# ------------------------------------------------------------------------------------------
+# gated norms
+
+
+def _direct_norm(x, g, weight, bias, activation, residual, eps, is_rms):
+    h = x + residual if residual is not None else x
+    if is_rms:
+        h_hat = h / torch.sqrt((h * h).mean(-1, keepdim=True) + eps)
+    else:
+        mu = h.mean(-1, keepdim=True)
+        h_hat = (h - mu) / torch.sqrt(((h - mu) ** 2).mean(-1, keepdim=True) + eps)
+    y = h_hat * (weight if weight is not None else 1) + (bias if bias is not None else 0)
+    return (y * g * torch.sigmoid(g) if activation != "sigmoid" else y * torch.sigmoid(g)), h
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+@pytest.mark.parametrize("activation", ["swish", "silu", "sigmoid"])
+def test_gated_norms_match_formula(is_rms, activation):
+    gen = torch.Generator().manual_seed(21 + is_rms)
+    fn = norm.rms_norm_gated if is_rms else norm.layer_norm_gated
+    x, g, residual = _randn(gen, 2, 3, 5), _randn(gen, 2, 3, 5), _randn(gen, 2, 3, 5)
+    for weight, bias in ((None, None), (_randn(gen, 5), None), (_randn(gen, 5), _randn(gen, 5))):
+        y = fn(x, g, weight, bias, activation, eps=1e-5)
+        expected, _ = _direct_norm(x, g, weight, bias, activation, None, 1e-5, is_rms)
+        assert_parity(y, expected, rtol=RTOL, name="y")
+        y, res = fn(x, g, weight, bias, activation, residual=residual, prenorm=True, eps=1e-5)
+        expected, h = _direct_norm(x, g, weight, bias, activation, residual, 1e-5, is_rms)
+        assert_parity({"y": y, "residual_out": res}, {"y": expected, "residual_out": h}, rtol=RTOL, name="prenorm")
+    # residual stream: x itself without residual; float32 with residual_in_fp32
+    _, res = fn(x, g, None, None, activation, prenorm=True)
+    assert torch.equal(res, x)
+    xb = x.to(torch.bfloat16)
+    y, res = fn(xb, g.to(torch.bfloat16), None, None, activation, prenorm=True, residual_in_fp32=True)
+    assert y.dtype == torch.bfloat16 and res.dtype == torch.float32
+
+
+@pytest.mark.parametrize("is_rms", [True, False])
+def test_gate_linear_matches_formula(is_rms):
+    gen = torch.Generator().manual_seed(31)
+    fn = norm.rms_norm_swish_gate_linear if is_rms else norm.layer_norm_swish_gate_linear
+    x, g, residual = _randn(gen, 4, 5), _randn(gen, 4, 5), _randn(gen, 4, 5)
+    nw, nb, lw, lb = _randn(gen, 5), _randn(gen, 5), _randn(gen, 2, 5), _randn(gen, 2)
+    out, res = fn(x, g, nw, nb, lw, lb, residual=residual, prenorm=True)
+    y, h = _direct_norm(x, g, nw, nb, "swish", residual, 1e-6, is_rms)
+    assert_parity({"out": out, "res": res}, {"out": y @ lw.T + lb, "res": h}, rtol=RTOL, name="gate linear")
+
+
+def test_gated_norm_gradcheck():
+    gen = torch.Generator().manual_seed(41)
+    inputs = [_randn(gen, *s).requires_grad_() for s in ((3, 4), (3, 4), (4,), (4,), (3, 4))]
+
+    def f(x, g, weight, bias, residual):
+        y, res = norm.layer_norm_gated(x, g, weight, bias, "swish", residual, prenorm=True)
+        y2 = norm.rms_norm_gated(x, g, weight, None, "sigmoid")
+        return y, res, y2
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_fused_norm_modules_through_the_switch():
+    import fla.modules
+    from fla.modules.norm import fused_norm_gate as fng
+
+    originals = (fng.FusedRMSNormGated.forward, fng.rms_norm_gated)
+    gen = torch.Generator().manual_seed(51)
+    x, g = _randn(gen, 2, 3, 4, dtype=torch.bfloat16), _randn(gen, 2, 3, 4, dtype=torch.bfloat16)
+    with fla_on_cpu():
+        for cls, activation in ((fla.modules.FusedRMSNormGated, "sigmoid"), (fla.modules.FusedRMSNormSwishGate, "swish")):
+            layer = cls(4, eps=1e-5, **({"activation": activation} if activation == "sigmoid" else {}))
+            y = layer(x, g)
+            assert y.dtype == torch.bfloat16
+            expected, _ = _direct_norm(x.to(F64), g.to(F64), None, None, activation, None, 1e-5, True)
+            assert_parity(y, expected, rtol=1e-2, name=cls.__name__)
+        layer = fla.modules.FusedLayerNormGated(4, bias=True)
+        assert layer(x, g).dtype == torch.bfloat16
+    assert (fng.FusedRMSNormGated.forward, fng.rms_norm_gated) == originals
+
+
+# ------------------------------------------------------------------------------------------
+# refusals
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: conv.causal_conv1d(torch.ones(1, 2, D), torch.ones(D, W), activation="relu"),
+     r"causal_conv1d\(activation='relu'\)"),
+    (lambda: conv.causal_conv1d(torch.ones(1, 2, D), None), r"causal_conv1d\(weight=None\)"),
+    (lambda: conv.causal_conv1d(torch.ones(1, 2, D), torch.ones(D, W), seq_idx=torch.zeros(1, 2)),
+     r"causal_conv1d\(seq_idx="),
+    (lambda: conv.causal_conv1d_update(torch.ones(2, D), None, weight=torch.ones(D, W)),
+     r"causal_conv1d_update\(cache=None\)"),
+    (lambda: norm.rms_norm_gated(torch.ones(2, 3), torch.ones(2, 3), None, None, "tanh"),
+     r"rms_norm_gated\(activation='tanh'\)"),
+    (lambda: norm.layer_norm_swish_gate_linear(torch.ones(2, 3), torch.ones(2, 3), None, None, None, None),
+     r"layer_norm_swish_gate_linear\(linear_weight=None\)"),
+    (lambda: emulation_cp.piece_context(type("Ctx", (), {"group": None})()), r"cp_context\(group=None\)"),
+])
+def test_unsupported_values_raise(call, match):
+    with pytest.raises(NotImplementedError, match=match):
+        call()
+
+
+# ------------------------------------------------------------------------------------------
+# context parallelism over spawn
+
+# (name, sequence lengths, fla layout) per world size; W=4 needs a halo of 3 tokens
+CP_CASES = {
+    2: [("crossing", [1, 9, 6], "contiguous"), ("zigzag", [3, 10, 3], "zigzag")],
+    4: [("short-pieces", [1, 7], "contiguous"),  # 2 tokens per rank < W-1: the halo spans 2 ranks
+        ("crossing", [5, 22, 1, 4], "contiguous"), ("zigzag", [2, 9, 5], "zigzag")],
+}
+
+
+def _fla_zigzag_index(total, rank, world):
+    part = total // (2 * world)
+    back = 2 * world - 1 - rank
+    return torch.cat([torch.arange(rank * part, (rank + 1) * part), torch.arange(back * part, (back + 1) * part)])
+
+
+def _local_index(total, rank, world, layout):
+    if layout == "zigzag":
+        return _fla_zigzag_index(total, rank, world)
+    local = total // world
+    return torch.arange(rank * local, (rank + 1) * local)
+
+
+def _fields(ctx):
+    names = ("cu_seqlens", "is_last_rank", "pre_num_ranks", "is_first_rank", "post_num_ranks", "conv1d_kernel_size",
+             "pre_num_conv_tokens", "layout", "part_len", "front_num_seqs", "pre_num_ranks_by_part",
+             "post_num_ranks_by_part", "is_first_by_part", "is_last_by_part", "pre_num_conv_tokens_by_part")
+    return {n: getattr(ctx, n) for n in names}
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _cp_groups(cp_size):
+    """This rank's CP group: the world for CP 4; for CP 2, ranks {0, 1} or {2, 3} (a subgroup,
+    so group-local ranks differ from global ones). Every rank creates every group, in order."""
+    import torch.distributed as dist
+
+    if cp_size == dist.get_world_size():
+        return dist.group.WORLD
+    groups = [dist.new_group(list(range(start, start + cp_size))) for start in range(0, dist.get_world_size(), cp_size)]
+    return groups[dist.get_rank() // cp_size]
+
+
+def _run_cp_conv(cases_by_cp):
+    """On every rank, under fla_on_cpu: fla's causal_conv1d and ShortConvolution with cp_context."""
+    import torch.distributed as dist
+    from fla.modules import ShortConvolution
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+    from fla.ops.cp import build_cp_context
+    from fla.ops.cp.context import get_cp_cu_seqlens
+
+    assert build_cp_context is emulation_cp.PATCHES["fla.ops.cp.context:build_cp_context"]
+    results = {}
+    for cp_size, cases in cases_by_cp.items():
+        group = _cp_groups(cp_size)
+        rank = dist.get_rank(group)
+        results[cp_size] = []
+        for case in cases:
+            cu, layout = case["cu"], case["layout"]
+            index = _local_index(int(cu[-1]), rank, cp_size, layout)
+            ctx = build_cp_context(cu, group, conv1d_kernel_size=W, layout=layout)
+            # a context built by fla's own function: piece_context reassembles the same partition
+            fla_ctx = get_cp_cu_seqlens(cu, group=group, conv1d_kernel_size=W, layout=layout)
+            rebuilt, piece = emulation_cp.piece_context(fla_ctx), emulation_cp.piece_context(ctx)
+            same = torch.equal(rebuilt.cu_seqlens, piece.cu_seqlens) and rebuilt.prev_tokens == piece.prev_tokens
+
+            x, residual = _leaf(case["x"][:, index]), _leaf(case["residual"][:, index])
+            weight, bias = _leaf(case["weight"]), _leaf(case["bias"])
+            y, state = causal_conv1d(x, weight, bias, residual, activation="silu", cu_seqlens=ctx.cu_seqlens,
+                                     cp_context=ctx)
+            (y * case["dy"][:, index]).sum().backward()
+            out = {"fn": dict(y=y.detach(), dx=x.grad, dresidual=residual.grad, dweight=weight.grad, dbias=bias.grad)}
+
+            layer = ShortConvolution(D, W, bias=True, activation="silu", dtype=F64)
+            with torch.no_grad():
+                layer.weight.copy_(case["weight"].unsqueeze(1))
+                layer.bias.copy_(case["bias"])
+            x = _leaf(case["x"][:, index])
+            y, _ = layer(x, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
+            (y * case["dy"][:, index]).sum().backward()
+            out["module"] = dict(y=y.detach(), dx=x.grad, dweight=layer.weight.grad[:, 0], dbias=layer.bias.grad)
+            results[cp_size].append(dict(out=out, state_is_none=state is None, fields=_fields(ctx),
+                                         rebuilt_matches=same))
+    return results
+
+
+def test_cp_conv_matches_single_process(fla_on_cpu, spawn):
+    # one spawn of 4 ranks (importing fla costs seconds per rank): CP 4 over the world, CP 2 over
+    # two subgroups of it
+    from fla.ops.cp.context import get_cp_cu_seqlens
+
+    gen = torch.Generator().manual_seed(100)
+    cases_by_cp = {}
+    for cp_size, table in CP_CASES.items():
+        cases_by_cp[cp_size] = []
+        for name, lengths, layout in table:
+            cu = torch.tensor([0] + lengths).cumsum(0)
+            T = int(cu[-1])
+            cases_by_cp[cp_size].append(dict(
+                name=name, cu=cu, layout=layout, x=_randn(gen, 1, T, D), residual=_randn(gen, 1, T, D),
+                weight=_randn(gen, D, W), bias=_randn(gen, D), dy=_randn(gen, 1, T, D)))
+    world = max(CP_CASES)
+    per_rank = spawn(_run_cp_conv, world, cases_by_cp)
+
+    for cp_size, cases in cases_by_cp.items():
+        for i, case in enumerate(cases):
+            cu, layout, T = case["cu"], case["layout"], int(case["cu"][-1])
+            x, residual, weight, bias = (_leaf(case[k]) for k in ("x", "residual", "weight", "bias"))
+            y_conv = short_conv(x, weight, cu, bias, "silu")
+            ((y_conv + residual) * case["dy"]).sum().backward()
+            expected = {"fn": {"y": (y_conv + residual).detach(), "dx": x.grad, "dresidual": residual.grad,
+                               "dweight": weight.grad, "dbias": bias.grad}}
+            expected["module"] = dict(expected["fn"], y=y_conv.detach())  # no residual through the module
+            order = torch.cat([_local_index(T, r, cp_size, layout) for r in range(cp_size)])
+            for first in range(0, world, cp_size):  # each CP group's ranks
+                ranks = range(first, first + cp_size)
+                label = f"cp{cp_size}(ranks {first}-{first + cp_size - 1})/{case['name']}"
+                for op in ("fn", "module"):
+                    got = {}
+                    for key in per_rank[first][cp_size][i]["out"][op]:
+                        pieces = [per_rank[r][cp_size][i]["out"][op][key] for r in ranks]
+                        if key in ("dweight", "dbias"):  # per-rank partial sums over CP
+                            got[key] = torch.stack(pieces).sum(0)
+                        else:
+                            got[key] = torch.empty_like(expected[op][key])
+                            got[key][:, order] = torch.cat(pieces, dim=1)
+                    assert_parity(got, {k: expected[op][k] for k in got}, rtol=CP_RTOL, name=f"{label}/{op}",
+                                  cu_seqlens=cu)
+                for group_rank, r in enumerate(ranks):
+                    result = per_rank[r][cp_size][i]
+                    assert result["state_is_none"] and result["rebuilt_matches"], label
+                    fla_fields = _fields(get_cp_cu_seqlens(cu, world_size=cp_size, rank=group_rank,
+                                                           conv1d_kernel_size=W, layout=layout))
+                    for key, value in fla_fields.items():
+                        got = result["fields"][key]
+                        same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+                        assert same, f"{label} rank {group_rank}: {key} = {got}, fla computes {value}"

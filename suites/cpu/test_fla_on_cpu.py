@@ -1,0 +1,119 @@
+"""fla-based layers on the CPU in float64 under the fla_on_cpu fixture, against the project's
+replicated layer with the same weights (through the fla / transformers name maps): every output
+and gradient <= 1e-10, on packed sequences with a length-1 sequence.
+
+- fla's own GatedDeltaNet and KimiDeltaAttention (unbounded and bounded gate);
+- transformers' Qwen3NextGatedDeltaNet with fla installed (it then calls fla's kernels);
+- a context-parallel layer written on fla's CP API (build_cp_context, cp_context=) at CP 2 and 4.
+"""
+
+import pytest
+import torch
+
+from layer_parity import random_state_dict, run_layer
+from linattn.layers import LinearAttentionConfig, build_layer, from_fla_state_dict, from_hf_state_dict, to_hf_state_dict
+from pytest_linattn import assert_parity
+
+RTOL = 1e-10
+# transformers' Qwen3-Next module casts to float32 itself (A_log.float(), a.float() in the decay
+# gate; the gated norm's .to(torch.float32)), so its float64 run has a float32 floor: measured
+# 8e-8 on the output. Every other check here is float64 end to end.
+HF_FLOAT32_CASTS_RTOL = 1e-6
+CU_SEQLENS = torch.tensor([0, 1, 9, 16, 24], dtype=torch.int32)  # a length-1 sequence; 8 tokens per CP-2 rank
+FLA_GATE_BIAS = "g_proj.1.bias"  # fla KDA's output-gate bias: the project's layer has none
+
+
+def _inputs(hidden, seed, T=int(CU_SEQLENS[-1])):
+    gen = torch.Generator().manual_seed(seed)
+    return tuple(torch.randn(1, T, hidden, generator=gen, dtype=torch.float64) for _ in range(2))
+
+
+def _reference(config, state_dict, x, dy):
+    layer = build_layer(config, dtype=torch.float64)
+    layer.load_state_dict(state_dict)
+    return run_layer(layer, x, dy, CU_SEQLENS)
+
+
+def _fla_grads(layer, config):
+    grads = {n: p.grad for n, p in layer.named_parameters() if n != FLA_GATE_BIAS}
+    if FLA_GATE_BIAS in dict(layer.named_parameters()):
+        grads[FLA_GATE_BIAS] = torch.zeros_like(layer.g_proj[1].bias)  # no counterpart to compare with
+    return from_fla_state_dict(grads, config)
+
+
+@pytest.mark.parametrize("kind, options", [
+    ("gdn", {}),
+    ("kda", {}),
+    ("kda", {"lower_bound": -5.0, "safe_gate": True}),
+], ids=["gated_deltanet", "kda", "kda-safe_gate"])
+def test_fla_layer_matches_project_layer(fla_on_cpu, kind, options):
+    from fla_clients import fla_layer
+
+    layer, config, state_dict = fla_layer(kind, seed=11, **options)
+    x, dy = _inputs(config.hidden_size, seed=12)
+    x_fla = x.clone().requires_grad_()
+    y, *_ = layer(x_fla, cu_seqlens=CU_SEQLENS.long())
+    (y * dy).sum().backward()
+
+    y_ref, dx_ref, grads_ref = _reference(config, state_dict, x, dy)
+    assert_parity(y, y_ref, rtol=RTOL, name=f"fla {kind} output", cu_seqlens=CU_SEQLENS)
+    assert_parity(x_fla.grad, dx_ref, rtol=RTOL, name=f"fla {kind} dx", cu_seqlens=CU_SEQLENS)
+    assert_parity(_fla_grads(layer, config), grads_ref, rtol=RTOL, name=f"fla {kind} grad")
+
+
+def test_transformers_qwen3_next_with_fla_matches_project_layer(fla_on_cpu):
+    """With fla installed transformers binds fla's chunk_gated_delta_rule at import time, in a
+    closure; the fixture reaches it there. One sequence: the HF module takes [B, T, hidden]."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+    from transformers.models.qwen3_next.configuration_qwen3_next import Qwen3NextConfig
+
+    hf_config = Qwen3NextConfig(hidden_size=20, linear_num_key_heads=2, linear_num_value_heads=4,
+                                linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4,
+                                rms_norm_eps=1e-6, num_hidden_layers=1, num_attention_heads=2,
+                                num_key_value_heads=1, vocab_size=32)
+    module = hf.Qwen3NextGatedDeltaNet(hf_config, layer_idx=0).double()
+    config = LinearAttentionConfig.from_hf_config(hf_config)
+    state_dict = random_state_dict(config, seed=21)
+    module.load_state_dict(to_hf_state_dict(state_dict, hf_config))
+    assert _emulation_reached(hf.torch_chunk_gated_delta_rule, "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule")
+    x, dy = _inputs(config.hidden_size, seed=22, T=13)
+    x_hf = x.clone().requires_grad_()
+    y = module(x_hf)
+    (y * dy).sum().backward()
+
+    cu = torch.tensor([0, 13], dtype=torch.int32)
+    layer = build_layer(config, dtype=torch.float64)
+    layer.load_state_dict(state_dict)
+    y_ref, dx_ref, grads_ref = run_layer(layer, x, dy, cu)
+    assert_parity(y, y_ref, rtol=HF_FLOAT32_CASTS_RTOL, name="hf qwen3_next output", cu_seqlens=cu)
+    assert_parity(x_hf.grad, dx_ref, rtol=HF_FLOAT32_CASTS_RTOL, name="hf qwen3_next dx", cu_seqlens=cu)
+    grads = from_hf_state_dict({n: p.grad for n, p in module.named_parameters()}, hf_config)
+    assert_parity(grads, grads_ref, rtol=HF_FLOAT32_CASTS_RTOL, name="hf qwen3_next grad")
+
+
+def _emulation_reached(fn, key):
+    """The emulated op sits in fn's closure, where transformers keeps fla's kernel."""
+    from linattn.emulation.patching import _closure_cells, patch_table
+
+    emulated = patch_table()[key]
+    return any(cell.cell_contents is emulated for cell in _closure_cells(fn))
+
+
+@pytest.mark.cp_sizes(2, 4)
+@pytest.mark.parametrize("options", [{}, {"lower_bound": -5.0, "safe_gate": True}], ids=["kda", "kda-safe_gate"])
+def test_fla_context_parallel_layer_matches_replicated(fla_on_cpu, spawn, cp_size, options):
+    from fla_clients import fla_layer, run_cp_layer
+
+    layer, config, state_dict = fla_layer("kda", seed=31 + cp_size, **options)
+    x, dy = _inputs(config.hidden_size, seed=32 + cp_size)
+    per_rank = spawn(run_cp_layer, cp_size, layer.state_dict(), options, x, dy, CU_SEQLENS)
+
+    y_ref, dx_ref, grads_ref = _reference(config, state_dict, x, dy)
+    y = torch.cat([r[0] for r in per_rank], dim=1)
+    dx = torch.cat([r[1] for r in per_rank], dim=1)
+    assert_parity(y, y_ref, rtol=RTOL, name=f"fla cp{cp_size} output", cu_seqlens=CU_SEQLENS)
+    assert_parity(dx, dx_ref, rtol=RTOL, name=f"fla cp{cp_size} dx", cu_seqlens=CU_SEQLENS)
+    # parameter gradients over CP are per-rank partial sums: their sum is the replicated layer's
+    summed = {n: sum(r[2][n] for r in per_rank) for n in per_rank[0][2]}
+    summed[FLA_GATE_BIAS] = torch.zeros_like(summed[FLA_GATE_BIAS])
+    assert_parity(from_fla_state_dict(summed, config), grads_ref, rtol=RTOL, name=f"fla cp{cp_size} grad")

@@ -1,0 +1,233 @@
+"""The public layer-parity harness (pytest_linattn.sharded_parity) on a toy client.
+
+The toy: y = fc2(gelu(fc1(gain * (x_t + x_{t-1})))), x_{t-1} the previous token of the same
+sequence (zero at a sequence start), so under CP the first token of a rank's piece needs a halo
+from another rank. fc1 column-parallel, fc2 row-parallel, `gain` TP-replicated. The correct
+client passes every placement; planted bugs (a wrong shard, an unreduced replicated gradient, a
+dropped halo, a wrong unshard) fail with messages that name what broke. The token layout is
+checked against hand-written examples, and bad input raises ValueError before any rank runs.
+"""
+
+import functools
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from linattn.parallel import group_rank
+from linattn.parallel.cp import cp_token_index
+from linattn.parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                                       reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region)
+from pytest_linattn.parity import capture_records
+from pytest_linattn.sharded_parity import (ParityCase, Placement, ShardedLayer, assert_parity_cases,
+                                           assert_sharded_parity, rank_token_index)
+
+DIM, HIDDEN = 6, 8
+RTOL = 1e-10
+CU = [0, 3, 10, 11, 16]  # T=16: a sequence crosses the CP edge at 8, one is a single token
+CU_ZIGZAG = [0, 8, 16]  # every length divisible by 2 * cp = 4
+PLACEMENTS = [Placement(tp=2), Placement(tp=2, sequence_parallel=True), Placement(cp=2),
+              Placement(tp=2, cp=2, sequence_parallel=True), Placement(tp=2, cp=2)]
+
+
+# ---- the toy client -----------------------------------------------------------------------------
+
+
+class ToyMixer(nn.Module):
+    """The toy layer; with no groups, the replicated reference."""
+
+    def __init__(self, placement=Placement(), groups=(None, None), bug=None, dtype=torch.float64, device="cpu"):
+        super().__init__()
+        self.placement, (self.tp_group, self.cp_group), self.bug = placement, groups, bug
+        tp = placement.tp
+        self.gain = nn.Parameter(torch.empty(DIM, dtype=dtype, device=device))
+        self.fc1 = nn.Linear(DIM, HIDDEN // tp, bias=False, dtype=dtype, device=device)
+        self.fc2 = nn.Linear(HIDDEN // tp, DIM, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x, cu_seqlens):
+        p, sp = self.placement, self.placement.sequence_parallel
+        if sp:  # SP slice -> this CP rank's tokens
+            x = gather_from_sequence_parallel_region(x, self.tp_group)
+        x = x + self._previous_tokens(x, cu_seqlens)
+        if not sp:
+            x = copy_to_tensor_parallel_region(x, self.tp_group)
+        gain = self.gain if self.bug == "unreduced" else copy_to_tensor_parallel_region(self.gain, self.tp_group)
+        out = self.fc2(F.gelu(self.fc1(gain * x)))
+        if sp:
+            return reduce_scatter_to_sequence_parallel_region(out, self.tp_group)
+        return reduce_from_tensor_parallel_region(out, self.tp_group)
+
+    def _previous_tokens(self, x, cu_seqlens):
+        """x_{t-1} of each of this CP rank's tokens (the library's layout), zero at sequence starts."""
+        cu, cp, layout = cu_seqlens.cpu(), self.placement.cp, self.placement.cp_layout
+        mine = cp_token_index(cu, group_rank(self.cp_group), cp, layout)
+        if self.bug == "no_halo":  # only the tokens this rank holds
+            held, tokens = mine, x
+        else:  # every CP rank's tokens, in CP rank order
+            held = torch.cat([cp_token_index(cu, r, cp, layout) for r in range(cp)])
+            tokens = gather_from_sequence_parallel_region(x, self.cp_group)
+        where = torch.full((int(cu[-1]) + 1,), -1, dtype=torch.int64)
+        where[held + 1] = torch.arange(held.numel())  # where[g + 1]: position of token g
+        prev = where[mine]
+        prev[torch.isin(mine, cu[:-1].long())] = -1
+        picked = tokens[:, prev.clamp(min=0).to(x.device)]
+        return picked * (prev >= 0).to(x.device, x.dtype)[None, :, None]
+
+
+def build_toy(placement, groups, dtype, device, bug=None):
+    return ToyMixer(placement, groups, bug, dtype, device)
+
+
+def shard_toy(full, placement, tp_rank, bug=None):
+    tp = placement.tp
+    fc1 = full["fc1.weight"].flip(0) if bug == "swapped_rows" and tp > 1 else full["fc1.weight"]
+    return {"gain": full["gain"], "fc1.weight": fc1.chunk(tp, 0)[tp_rank],
+            "fc2.weight": full["fc2.weight"].chunk(tp, 1)[tp_rank]}
+
+
+def unshard_toy(grads, placement, bug=None):
+    order = grads[::-1] if bug == "reversed" else grads
+    return {"gain": grads[0]["gain"], "fc1.weight": torch.cat([g["fc1.weight"] for g in order], 0),
+            "fc2.weight": torch.cat([g["fc2.weight"] for g in grads], 1)}
+
+
+def reduce_gain_over_tp(module, placement):
+    """A trainer's finalize step: the all-reduce the "unreduced" layer leaves out."""
+    import torch.distributed as dist
+
+    if module.tp_group is not None:
+        dist.all_reduce(module.gain.grad, group=module.tp_group)
+
+
+def toy_client(bug=None, **extra):
+    return ShardedLayer(build=functools.partial(build_toy, bug=bug), shard=functools.partial(shard_toy, bug=bug),
+                        unshard=functools.partial(unshard_toy, bug=bug), replicated={"gain"}, **extra)
+
+
+def toy_reference(seed=0):
+    torch.manual_seed(seed)
+    ref = ToyMixer()
+    with torch.no_grad():
+        ref.gain.copy_(1 + 0.2 * torch.randn(DIM, dtype=torch.float64))
+    return ref
+
+
+# ---- the correct client passes ------------------------------------------------------------------
+
+
+def test_toy_client_passes_every_placement(spawn):
+    contiguous = [ParityCase(toy_client(), p, toy_reference(), CU, *_inputs(CU), rtol=RTOL) for p in PLACEMENTS]
+    zigzag = [ParityCase(toy_client(), Placement(tp=tp, cp=2, cp_layout="zigzag", sequence_parallel=tp > 1),
+                         toy_reference(), CU_ZIGZAG, *_inputs(CU_ZIGZAG), rtol=RTOL) for tp in (1, 2)]
+    with capture_records() as records:
+        assert_parity_cases(spawn, contiguous + zigzag, world_size=4)  # tp2 / cp2 as 2 data-parallel replicas
+    assert records and all(r["passed"] for r in records)
+    assert any("/dp1 " in r["group"] for r in records)
+
+
+def test_after_backward_hook_reduces_the_replicated_gradient(spawn):
+    client = toy_client("unreduced", after_backward=reduce_gain_over_tp)
+    with capture_records():
+        assert_sharded_parity(spawn, client, toy_reference(), [Placement(tp=2), Placement(tp=2, cp=2)], CU,
+                              hidden_size=DIM, seed=3, rtol=RTOL, name="toy")
+
+
+# ---- planted bugs are caught --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bug, placement, bitwise, message", [
+    ("swapped_rows", Placement(tp=2), True, r"parity failed for toy/tp2/seed1 output tp_rank0"),
+    ("unreduced", Placement(tp=2), True,
+     r"toy/tp2/seed1 grad gain: TP-replicated parameter, but TP ranks 0 and 1 hold different gradients"),
+    ("unreduced", Placement(tp=2, cp=2, sequence_parallel=True), False,
+     r"grad gain: TP-replicated, TP rank 1 vs TP rank 0 \(CP rank 0\)"),
+    ("no_halo", Placement(cp=2), True, r"(?s)toy/cp2-contiguous/seed1 output: .*seq 1 token 5 \(global 8\)"),
+    ("reversed", Placement(tp=2), True, r"toy/tp2/seed1 grad: 1 of 3 tensor\(s\) off.*\n.*\n\s+fc1.weight"),
+])
+def test_planted_bug_is_caught(spawn, bug, placement, bitwise, message):
+    with capture_records(), pytest.raises(AssertionError, match=message):
+        assert_sharded_parity(spawn, toy_client(bug), toy_reference(), [placement], CU, hidden_size=DIM, seed=1,
+                              rtol=RTOL, bitwise_replicated=bitwise, name="toy")
+
+
+# ---- the token layout, by hand ------------------------------------------------------------------
+
+
+def _tokens(cu, placement, tp_rank=0, cp_rank=0):
+    return rank_token_index(torch.tensor(cu), placement, tp_rank, cp_rank).tolist()
+
+
+def test_token_layout_matches_the_documented_definition():
+    contiguous = Placement(cp=2)
+    assert _tokens(CU, contiguous, cp_rank=0) == list(range(0, 8))
+    assert _tokens(CU, contiguous, cp_rank=1) == list(range(8, 16))
+    # two sequences of 8, cut into 4 chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
+    zigzag = Placement(cp=2, cp_layout="zigzag")
+    assert _tokens(CU_ZIGZAG, zigzag, cp_rank=0) == [0, 1, 6, 7, 8, 9, 14, 15]
+    assert _tokens(CU_ZIGZAG, zigzag, cp_rank=1) == [2, 3, 4, 5, 10, 11, 12, 13]
+    # cp 4 on one sequence of 16: 8 chunks of 2, rank r holds chunks r and 7 - r
+    zigzag4 = Placement(cp=4, cp_layout="zigzag")
+    assert [_tokens([0, 16], zigzag4, cp_rank=r) for r in range(4)] == [
+        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # SP: the CP rank's tokens in tp contiguous slices
+    sp = Placement(tp=2, cp=2, cp_layout="zigzag", sequence_parallel=True)
+    assert _tokens(CU_ZIGZAG, sp, 0, 1) == [2, 3, 4, 5]
+    assert _tokens(CU_ZIGZAG, sp, 1, 1) == [10, 11, 12, 13]
+    # without SP every TP rank holds its CP rank's tokens
+    assert _tokens(CU, Placement(tp=2, cp=2), 1, 1) == list(range(8, 16))
+
+
+def test_placement_names():
+    assert Placement().name == "replicated"
+    assert Placement(tp=4).name == "tp4"
+    assert Placement(tp=2, cp=2, cp_layout="zigzag", sequence_parallel=True).name == "tp2-sp/cp2-zigzag"
+    assert str(Placement(cp=4)) == "cp4-contiguous"
+
+
+# ---- bad input: ValueError naming the parameter and the rule -----------------------------------
+
+
+def _inputs(cu, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, cu[-1], DIM, generator=gen, dtype=torch.float64) for _ in range(2)]
+
+
+def no_spawn(*args, **kwargs):
+    raise AssertionError("spawn must not be reached on bad input")
+
+
+def build_lambda_free(placement, groups, dtype, device):
+    return ToyMixer(placement, groups, dtype=dtype, device=device)
+
+
+@pytest.mark.parametrize("make, rule", [
+    (lambda: Placement(tp=0), r"Placement.tp must be a positive int, got 0"),
+    (lambda: Placement(cp=2, cp_layout="ring"), r"Placement.cp_layout must be one of \('contiguous', 'zigzag'\)"),
+    (lambda: Placement(sequence_parallel=True), r"Placement.sequence_parallel needs tp > 1"),
+    (lambda: ShardedLayer(build=lambda *a: None, shard=shard_toy, unshard=unshard_toy),
+     r"ShardedLayer's callables must be module-level"),
+    (lambda: ShardedLayer(build=build_lambda_free, shard=shard_toy, unshard=unshard_toy, replicated="gain"),
+     r"ShardedLayer.replicated must be a collection of parameter names"),
+    (lambda: ParityCase(toy_client(), Placement(cp=3), toy_reference(), CU, *_inputs(CU), rtol=RTOL),
+     r"cu_seqlens: contiguous CP needs the total token count divisible by cp: 16 % 3 != 0"),
+    (lambda: ParityCase(toy_client(), Placement(cp=2, cp_layout="zigzag"), toy_reference(), CU, *_inputs(CU),
+                        rtol=RTOL),
+     r"cu_seqlens: zigzag CP needs every sequence length divisible by 2\*cp=4; sequence 0 has 3 tokens"),
+    (lambda: ParityCase(toy_client(), Placement(tp=4, cp=2, sequence_parallel=True), toy_reference(), [0, 4, 12],
+                        *_inputs([0, 4, 12]), rtol=RTOL),
+     r"cu_seqlens: sequence parallel needs each CP rank's token count divisible by tp: 6 % 4 != 0"),
+    (lambda: ParityCase(toy_client(), Placement(tp=2), toy_reference(), CU, *_inputs([0, 8]), rtol=RTOL),
+     r"ParityCase.x must be a \[1, T=16, ...\] tensor"),
+    (lambda: ParityCase(toy_client(), Placement(tp=2), toy_reference(), CU, *_inputs(CU), rtol=0),
+     r"rtol must be positive"),
+    (lambda: assert_parity_cases(no_spawn, [ParityCase(toy_client(), Placement(tp=4), toy_reference(), CU,
+                                                       *_inputs(CU), rtol=RTOL)], world_size=6),
+     r"world_size 6 must be a multiple of tp \* cp = 4 of placement tp4"),
+    (lambda: assert_sharded_parity(no_spawn, toy_client(), toy_reference(), [], CU, hidden_size=DIM, seed=0,
+                                   rtol=RTOL),
+     r"placements must hold at least one Placement"),
+])
+def test_bad_input_raises_value_error(make, rule):
+    with pytest.raises(ValueError, match=rule):
+        make()
