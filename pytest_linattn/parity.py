@@ -4,11 +4,13 @@
 relative Frobenius error ‖actual − expected‖ / ‖expected‖ computed in float64 on the CPU (so
 `actual` may be a bf16 CUDA tensor). NaN or Inf never passes. A failure raises AssertionError
 with one table row per failing tensor: its error, the tolerance, the max abs difference and the
-worst element, located as (sequence, token in sequence, head) when `cu_seqlens` is given.
+worst element, located as (sequence, token in sequence, head and channel of `[1, T, H, D]`, or
+feature of `[1, T, hidden]`) when `cu_seqlens` is given, with the ranks holding that token when
+`token_ranks` is; `describe` lets the caller name other tensors' elements (a weight's head).
 
 Every compared tensor also appends a record to the module-level `RECORDS` list; the pytest
 plugin prints `format_summary(RECORDS)` at the end of the run and can `write_report` them as
-JSON plus one error heatmap (token × head) per failure. This module imports no pytest.
+JSON plus one error heatmap (token × head or feature) per failure. This module imports no pytest.
 """
 
 from __future__ import annotations
@@ -70,7 +72,8 @@ def capture_records():
 # The assertion
 
 
-def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seqlens=None) -> list[dict]:
+def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seqlens=None,
+                  token_ranks=None, describe=None) -> list[dict]:
     """Assert that `actual` matches `expected` within relative Frobenius error `rtol`.
 
     actual, expected: tensors, or dicts of tensors with the same keys (rows named by key).
@@ -79,17 +82,31 @@ def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seq
         zeros the absolute error ‖actual − expected‖ is used instead, and the report says so.
     name: label of the comparison in the failure message (a single tensor's row name).
     cu_seqlens: packed-sequence boundaries over dim 1 of `[1, T, ...]` tensors; used only to
-        locate the worst element as (sequence, token within it). Tensors of other shapes in a
-        dict (weight gradients, say) are located by multi-index.
+        locate the worst element as (sequence, token within it). Its last entry must be the T
+        of the `[1, T, ...]` tensors (of one of them, in a dict that also holds others: final
+        states, weight gradients, located by multi-index).
+    token_ranks: {rank kind: the rank holding each token} over dim 1 of `[1, T, ...]` tensors,
+        e.g. {"CP rank": [0, 0, 1, 1, ...]} (length T each): a failure names the ranks holding
+        the worst token, and the heatmap marks the shard edges (where a holder changes).
+    describe(tensor_name, index) -> str | None: where the worst element `index` (a tuple) lies,
+        in the caller's words ("value head 5, channel 2"); None keeps the default description.
 
     Returns the records appended to RECORDS (one per tensor) when everything passes.
-    Raises ValueError for bad arguments (rtol, cu_seqlens, mixed tensor/dict, non-tensors).
+    Raises ValueError for bad arguments (rtol, cu_seqlens, token_ranks, describe, mixed
+    tensor/dict, non-tensors).
     """
+    __tracebackhide__ = True
     rtol = _check_rtol(rtol)
     bounds = _check_cu_seqlens(cu_seqlens)
+    ranks = _check_token_ranks(token_ranks, bounds)
+    if describe is not None and not callable(describe):
+        raise ValueError(f"describe must be callable or None, got {describe!r}")
+    pairs = _pairs(actual, expected, name)
+    _check_token_count(pairs, bounds)
     results = []
-    for label, a, e, problem in _pairs(actual, expected, name):
-        results.append(_compare(label, a, e, rtol, bounds, group=name, problem=problem))
+    for label, a, e, problem in pairs:
+        results.append(_compare(label, a, e, rtol, bounds, group=name, problem=problem, ranks=ranks,
+                                describe=describe))
     _sink.extend(results)
     failed = [r for r in results if not r["passed"]]
     if failed:
@@ -98,6 +115,7 @@ def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seq
 
 
 def _check_rtol(rtol) -> float:
+    __tracebackhide__ = True
     if isinstance(rtol, bool) or not isinstance(rtol, (int, float)):
         raise ValueError(f"rtol must be a number, got {type(rtol).__name__}")
     rtol = float(rtol)
@@ -107,6 +125,7 @@ def _check_rtol(rtol) -> float:
 
 
 def _check_cu_seqlens(cu_seqlens) -> list[int] | None:
+    __tracebackhide__ = True
     if cu_seqlens is None:
         return None
     if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
@@ -119,7 +138,44 @@ def _check_cu_seqlens(cu_seqlens) -> list[int] | None:
     return bounds
 
 
+def _is_token_tensor(shape) -> bool:
+    return len(shape) >= 2 and shape[0] == 1
+
+
+def _check_token_count(pairs, bounds) -> None:
+    """cu_seqlens must end at the T of the `[1, T, ...]` tensors it locates: a mismatch would
+    locate the worst element by a packing that is not the tensor's."""
+    __tracebackhide__ = True
+    if bounds is None:
+        return
+    counts = sorted({int(t.shape[1]) for _, a, e, _ in pairs for t in (a, e)
+                     if t is not None and _is_token_tensor(t.shape)})
+    if counts and bounds[-1] not in counts:
+        raise ValueError(f"cu_seqlens must end at the token count T of the [1, T, ...] tensors it locates: "
+                         f"cu_seqlens[-1] = {bounds[-1]}, tensors have T = {', '.join(map(str, counts))}")
+
+
+def _check_token_ranks(token_ranks, bounds) -> dict[str, list[int]] | None:
+    __tracebackhide__ = True
+    if token_ranks is None:
+        return None
+    if not isinstance(token_ranks, Mapping) or not token_ranks:
+        raise ValueError(f"token_ranks must be a non-empty dict {{rank kind: rank of each token}}, got {token_ranks!r}")
+    ranks = {}
+    for kind, per_token in token_ranks.items():
+        values = per_token.tolist() if isinstance(per_token, torch.Tensor) else list(per_token)
+        if not isinstance(kind, str) or not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise ValueError(f"token_ranks must map a rank kind (str) to one int rank per token, got {kind!r}")
+        ranks[kind] = values
+    lengths = {len(v) for v in ranks.values()}
+    if len(lengths) != 1 or (bounds is not None and lengths != {bounds[-1]}):
+        raise ValueError(f"token_ranks must give one rank per token: lengths {sorted(lengths)}"
+                         + (f", cu_seqlens[-1] = {bounds[-1]}" if bounds is not None else ""))
+    return ranks
+
+
 def _as_tensor(x, what: str):
+    __tracebackhide__ = True
     if x is None or isinstance(x, torch.Tensor):
         return x
     try:  # numpy arrays and nested lists are fine too
@@ -130,6 +186,7 @@ def _as_tensor(x, what: str):
 
 def _pairs(actual, expected, name):
     """(label, actual, expected, problem) per tensor; a key on one side only pairs with None."""
+    __tracebackhide__ = True
     if isinstance(actual, Mapping) != isinstance(expected, Mapping):
         raise ValueError(
             f"actual and expected must both be tensors or both be dicts, got "
@@ -155,7 +212,8 @@ def _record(test, group, label, rtol, *, error, passed, shape, problem=None, **e
     return rec
 
 
-def _compare(label, a, e, rtol, bounds, group, problem=None) -> dict:
+def _compare(label, a, e, rtol, bounds, group, problem=None, ranks=None, describe=None) -> dict:
+    __tracebackhide__ = True
     test = current_test()
     if a is None or e is None:
         other = e if a is None else a
@@ -195,10 +253,15 @@ def _compare(label, a, e, rtol, bounds, group, problem=None) -> dict:
     absdiff = diff.abs()
     info.update(relative=relative, nonfinite=n_bad,
                 max_abs_diff=float(absdiff.nan_to_num(nan=math.inf).max()) if n_bad else float(absdiff.max()))
-    info["worst"] = _locate(flat, shape, bounds)
+    if ranks is not None and not (_is_token_tensor(shape) and shape[1] == len(next(iter(ranks.values())))):
+        ranks = None  # the token map is over dim 1 of [1, T, ...] tensors of its length only
+    info["worst"] = _locate(flat, shape, bounds, ranks)
+    described = describe(label, tuple(info["worst"]["index"])) if describe is not None else None
+    if described is not None:
+        info["worst"]["described"] = str(described)
     info["worst_text"] = _location_text(info["worst"])
     if not passed:
-        info.update(_error_map(diff, norm_e if relative else 1.0, shape, bounds))
+        info.update(_error_map(diff, norm_e if relative else 1.0, shape, bounds, ranks))
     return _record(test, group, label, rtol, error=error, passed=passed, shape=shape, problem=problem, **info)
 
 
@@ -206,7 +269,7 @@ def _fits_packed(shape, bounds) -> bool:
     return bounds is not None and len(shape) >= 2 and shape[0] == 1 and shape[1] == bounds[-1]
 
 
-def _locate(flat: int, shape, bounds) -> dict:
+def _locate(flat: int, shape, bounds, ranks=None) -> dict:
     index, rest = [], flat
     for size in reversed(shape):
         index.append(rest % size)
@@ -217,10 +280,18 @@ def _locate(flat: int, shape, bounds) -> dict:
         tok = index[1]
         seq = bisect.bisect_right(bounds, tok) - 1  # skips empty sequences
         loc.update(sequence=seq, token_in_sequence=tok - bounds[seq], token=tok)
-        if len(shape) >= 3:
+    elif len(shape) >= 3 and bounds is None:  # fla's [B, T, ...]; beside cu_seqlens, a misfit has no tokens
+        loc.update(batch=index[0], token=index[1])
+    if "token" in loc:
+        if ranks is not None:
+            loc["ranks"] = {kind: per_token[loc["token"]] for kind, per_token in ranks.items()}
+        # [B, T, H, D] has heads and their channels; the last dim of [B, T, hidden] is a feature
+        if len(shape) == 3:
+            loc["feature"] = index[2]
+        elif len(shape) >= 4:
             loc["head"] = index[2]
-    elif len(shape) >= 3:
-        loc.update(batch=index[0], token=index[1], head=index[2])
+            if len(shape) == 4:
+                loc["channel"] = index[3]
     return loc
 
 
@@ -228,25 +299,32 @@ def _location_text(loc: dict | None) -> str:
     if not loc:
         return ""
     idx = "(" + ", ".join(str(i) for i in loc["index"]) + ")"
+    if "described" in loc:
+        return f"{loc['described']} at index {idx}"
     if "sequence" in loc:
         text = f"seq {loc['sequence']} token {loc['token_in_sequence']} (global {loc['token']})"
     elif "batch" in loc:
         text = f"batch {loc['batch']} token {loc['token']}"
+    elif len(loc["index"]) == 2:
+        return f"row {loc['index'][0]}, col {loc['index'][1]} at index {idx}"
     else:
         return f"index {idx}"
-    if "head" in loc:
-        text += f", head {loc['head']}"
-    return f"{text} at {idx}"
+    if loc.get("ranks"):
+        text += " on " + ", ".join(f"{kind} {rank}" for kind, rank in loc["ranks"].items())
+    for dim in ("feature", "head", "channel"):
+        if dim in loc:
+            text += f", {dim} {loc[dim]}"
+    return f"{text} at index {idx}"
 
 
-def _error_map(diff: torch.Tensor, norm: float, shape, bounds) -> dict:
+def _error_map(diff: torch.Tensor, norm: float, shape, bounds, ranks=None) -> dict:
     """Error by (head, token): sqrt of the summed squared difference over the other dims, over
     ‖expected‖, so the cells add up in quadrature to the tensor's error. Binned if large."""
     sq = diff.nan_to_num(nan=math.inf).square()  # a NaN cell still shows as "off the scale"
     if sq.dim() >= 3:
         other = [d for d in range(sq.dim()) if d not in (1, 2)]
         grid = sq.sum(dim=other).T if other else sq.T  # [H, T]
-        x_label, y_label = "token", "head"
+        x_label, y_label = "token", "head" if sq.dim() >= 4 else "feature"
     elif sq.dim() == 2:
         grid, x_label, y_label = sq, "dim 1", "dim 0"
     else:
@@ -258,6 +336,11 @@ def _error_map(diff: torch.Tensor, norm: float, shape, bounds) -> dict:
     if _fits_packed(shape, bounds):
         out["map_x"] = "token"
         out["cu_seqlens"] = list(bounds)
+    if ranks is not None:
+        # the first token of every rank's piece: where any holder differs from the previous token's
+        holders = list(zip(*ranks.values()))
+        out["shard_edges"] = [t for t in range(1, len(holders)) if holders[t] != holders[t - 1]]
+        out["shard_ranks"] = list(ranks)
     return out
 
 
@@ -354,19 +437,27 @@ def _safe_name(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_.")[:120] or "unnamed"
 
 
-def write_report(records, directory) -> list[Path]:
+def write_report(records, directory, notes: list | None = None) -> list[Path]:
     """Write `parity.json` (every record) and one PNG error heatmap per failure that has an
-    error map, named `<test>__<tensor>.png` (sanitised). Returns the paths written."""
+    error map, named `<test>__<comparison: tensor>.png` (sanitised). Returns the paths written.
+
+    matplotlib is optional (the plugin runs in other projects' test runs, the JSON holds the
+    same maps): without it no PNG is drawn, and one line saying so is appended to `notes`."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     records = list(records)
     json_path = directory / "parity.json"
     json_path.write_text(json.dumps(_jsonable(records), indent=1))
     written, used = [json_path], set()
-    for rec in records:
-        if rec["passed"] or "map" not in rec:
-            continue
-        stem = f"{_safe_name(str(rec['test']))}__{_safe_name(rec['tensor'])}"
+    failures = [rec for rec in records if not rec["passed"] and "map" in rec]
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        if failures and notes is not None:
+            notes.append(f"no PNG: matplotlib is not installed ({len(failures)} error map(s) are in {json_path})")
+        return written
+    for rec in failures:
+        stem = f"{_safe_name(str(rec['test']))}__{_safe_name(_label(rec))}"
         name, n = stem, 1
         while name in used:
             n += 1
@@ -395,9 +486,13 @@ def _heatmap(rec: dict, path: Path) -> Path:
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     for b in rec.get("cu_seqlens", [])[1:-1]:
         ax.axvline(b, color="white", lw=0.6, ls="--")
-    ax.set_xlabel(rec["map_x"] + (f" (bins of {xb})" if xb > 1 else ""))
+    for b in rec.get("shard_edges", []):
+        ax.axvline(b, color="lime", lw=0.8)
+    marks = (["dashed: sequence starts"] if len(rec.get("cu_seqlens", [])) > 2 else []) + (
+        [f"green: shard edges ({', '.join(rec['shard_ranks'])})"] if rec.get("shard_edges") else [])
+    ax.set_xlabel(rec["map_x"] + (f" (bins of {xb})" if xb > 1 else "") + (f"; {'; '.join(marks)}" if marks else ""))
     ax.set_ylabel(rec["map_y"] + (f" (bins of {yb})" if yb > 1 else ""))
-    ax.set_title(f"{rec['test']} :: {rec['tensor']}  error {_num(rec['error'])}  rtol {_num(rec['rtol'])}"
+    ax.set_title(f"{rec['test']} :: {_label(rec)}  error {_num(rec['error'])}  rtol {_num(rec['rtol'])}"
                  + (f"  worst: {rec['worst_text']}" if rec.get("worst_text") else ""), fontsize=8)
     fig.colorbar(im, ax=ax, label="error contribution")
     fig.savefig(path, dpi=100, bbox_inches="tight")

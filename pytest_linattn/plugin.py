@@ -31,7 +31,9 @@ Fixtures:
                         tensors on CPU. fn must be module-level (pickled by reference). Rank pools
                         persist per (world size, device) for the session. ``spawn.timeout = 5``
                         changes this test's timeout. Under torchrun (WORLD_SIZE set) fn runs on the
-                        launcher's process group and every rank gets the gathered list.
+                        launcher's process group and every rank gets the gathered list; only
+                        rank 0 reports, tests run where tp_size x cp_size = WORLD_SIZE, and a
+                        failure that breaks the group stops the session (pytest_linattn.launcher).
     fla_on_cpu          fla's public ops emulated on linattn's float64 references, in the test
                         and in every rank spawn runs (linattn.emulation.fla_on_cpu)
     packed_seqlens      pytest_linattn.seqlens.packed_seqlens
@@ -47,6 +49,7 @@ only wires them into pytest.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -148,6 +151,7 @@ class _State:
         self.config = config
         self.manager = None
         self.report_paths = []
+        self.report_notes = []  # lines about the report (a PNG not drawn), printed in the summary
         self.is_worker = hasattr(config, "workerinput")
         # Where this session's records begin: an in-process nested run (pytester) shares the
         # module-level lists with the outer one, and each must summarise only its own checks.
@@ -156,6 +160,8 @@ class _State:
         self.sent = self.records_start
         self.controller_start = len(_CONTROLLER_RECORDS)
         self.autotune = None  # the applied pytest_linattn.autotune plan; None until session start
+        self.launcher = None  # pytest_linattn.launcher.LauncherSession under torchrun
+        self.size_notes = []  # lines for the terminal summary: sizes asked for but not run
 
     def pools(self):
         if self.manager is None:
@@ -165,6 +171,11 @@ class _State:
         return self.manager
 
     def close(self):
+        if self.launcher is not None:
+            self.launcher.finish()
+            if self.launcher.terminal_fd is not None:
+                os.close(self.launcher.terminal_fd)
+            self.launcher = None
         if self.manager is not None:
             self.manager.close()
             self.manager = None
@@ -189,6 +200,7 @@ class _State:
         return resolve_device(_value(self.config, "device")) == "cuda"
 
 
+@pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config):
     for line in (
         "world_size(n): the test runs n ranks; skipped on cuda with fewer than n GPUs",
@@ -198,7 +210,33 @@ def pytest_configure(config):
         "cp_sizes(*sizes): the context-parallel sizes the test supports; others are deselected",
     ):
         config.addinivalue_line("markers", line)
-    config.stash[_STATE] = _State(config)
+    state = config.stash[_STATE] = _State(config)
+    from .launcher import launcher_world_size
+
+    world_size = launcher_world_size()
+    if world_size is not None and not state.is_worker:
+        _start_launcher_mode(config, state, world_size)
+
+
+def _start_launcher_mode(config, state, world_size):
+    # Under torchrun every rank runs this session; only rank 0 reports.
+    from .launcher import LauncherSession, launcher_rank
+
+    rank = launcher_rank()
+    # A copy of the terminal, for a report written while pytest's capture holds fd 1.
+    state.launcher = LauncherSession(rank, world_size, terminal_fd=os.dup(1))
+    state.launcher.install_signal_handlers()
+    if rank != 0:
+        reporter = config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            config.pluginmanager.unregister(reporter)
+        # Nor a JUnit file: every rank would write the same path.
+        from _pytest.junitxml import xml_key
+
+        xml = config.stash.get(xml_key, None)
+        if xml is not None:
+            config.pluginmanager.unregister(xml)
+            del config.stash[xml_key]
 
 
 @pytest.hookimpl(trylast=True)
@@ -262,18 +300,54 @@ def pytest_generate_tests(metafunc):
 
 
 def pytest_collection_modifyitems(config, items):
-    wanted = {argname: set(_value(config, key)) for argname, (key, _) in _SIZE_FIXTURES.items()}
-    kept, deselected = [], []
+    wanted = {argname: _value(config, key) for argname, (key, _) in _SIZE_FIXTURES.items()}
+    state = config.stash[_STATE]
+    state.size_notes = _unsupported_sizes(items, wanted)
+    launched = state.launcher.world_size if state.launcher is not None else None
+    kept, deselected, unfit = [], [], []
     for item in items:
         params = getattr(getattr(item, "callspec", None), "params", {})
-        if any(argname in params and params[argname] not in sizes
-               for argname, sizes in wanted.items()):
+        sizes = [params[argname] for argname in _SIZE_FIXTURES if argname in params]
+        if any(argname in params and params[argname] not in asked
+               for argname, asked in wanted.items()):
+            deselected.append(item)
+        elif launched is not None and sizes and math.prod(sizes) != launched:
+            # Under torchrun the ranks are the launcher's: a test runs at tp x cp = WORLD_SIZE.
+            unfit.append(item.nodeid)
             deselected.append(item)
         else:
             kept.append(item)
+    if unfit:
+        state.size_notes.append(
+            f"{len(unfit)} test(s) deselected: under torchrun a test runs only where "
+            f"tp_size x cp_size = WORLD_SIZE={launched}: " + ", ".join(unfit))
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
+
+
+def _unsupported_sizes(items, wanted) -> list[str]:
+    """One line per test that does not support a size the run asked for (its marker or
+    parametrize list lacks it), so a size asked for is never dropped without a word."""
+    supported: dict[str, dict[str, set]] = {}
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        test = item.nodeid.split("[", 1)[0]
+        for argname in _SIZE_FIXTURES:
+            if argname in params:
+                supported.setdefault(test, {}).setdefault(argname, set()).add(params[argname])
+    notes = []
+    for test, by_arg in supported.items():
+        parts = []
+        for argname, sizes in by_arg.items():
+            key = _SIZE_FIXTURES[argname][0]
+            missing = [n for n in wanted[argname] if n not in sizes]
+            if missing:
+                parts.append(f"{key} {', '.join(map(str, missing))} asked for; the test supports "
+                             f"{key} {', '.join(map(str, sorted(sizes)))}")
+        if parts:
+            notes.append(f"{test}: not run at " + "; ".join(parts))
+    return notes
 
 
 def _size_fixture(request, key):
@@ -342,9 +416,10 @@ def pytest_runtest_setup(item):
 class Spawn:
     """``spawn(fn, world_size, *args, **kwargs)``: fn on every rank; values in rank order."""
 
-    def __init__(self, state: _State, timeout: float):
+    def __init__(self, state: _State, timeout: float, item=None):
         self._state = state
         self.timeout = timeout
+        self._item = item
 
     def __call__(self, fn, world_size, *args, **kwargs):
         __tracebackhide__ = True
@@ -352,7 +427,9 @@ class Spawn:
 
         device = _value(self._state.config, "device")
         try:
-            if pool.launcher_world_size() is not None:
+            if self._state.launcher is not None:
+                return self._in_launcher(fn, world_size, args, kwargs, pool.resolve_device(device))
+            if pool.launcher_world_size() is not None:  # WORLD_SIZE set in an xdist worker
                 return pool.run_in_launcher(fn, world_size, args, kwargs,
                                             device=pool.resolve_device(device),
                                             timeout=self.timeout)
@@ -363,6 +440,24 @@ class Spawn:
         except pool.RankFailure as exc:
             # Re-raised here so the report ends at the test's call, not inside the pool.
             raise type(exc)(str(exc)) from None
+
+
+    def _in_launcher(self, fn, world_size, args, kwargs, device):
+        __tracebackhide__ = True
+        from .launcher import BrokenGroup
+
+        try:
+            return self._state.launcher.run(fn, world_size, args, kwargs, device=device,
+                                            timeout=self.timeout,
+                                            test=getattr(self._item, "nodeid", ""))
+        except BrokenGroup:
+            if self._item is not None:
+                # A collective was left half done: every later distributed test would fail or
+                # hang on this group, so the session stops after this test, on every rank.
+                self._item.session.shouldfail = (
+                    f"linattn: the process group is broken after a failure in "
+                    f"{self._item.nodeid}; the session stops (see that test's report)")
+            raise
 
 
 def _active_fla_emulation():
@@ -376,7 +471,7 @@ def _active_fla_emulation():
 def spawn(request) -> Spawn:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with torch.distributed initialised;
     returns the ranks' return values in rank order, tensors moved to CPU."""
-    return Spawn(request.config.stash[_STATE], _value(request.config, "timeout"))
+    return Spawn(request.config.stash[_STATE], _value(request.config, "timeout"), request.node)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -507,13 +602,21 @@ def pytest_sessionfinish(session):
     records = _all_records(config)
     from . import parity  # needed for the writer even when no test compared anything
 
-    state.report_paths = parity.write_report(records, directory)
+    try:
+        state.report_paths = parity.write_report(records, directory, notes=state.report_notes)
+    except Exception as exc:  # noqa: BLE001 - a report file must never hide the test failures
+        state.report_notes.append(f"linattn report not written: {exc!r}")
 
 
 def pytest_terminal_summary(terminalreporter, config):
     state = config.stash.get(_STATE, None)
     if state is None or state.is_worker:
         return
+    # Not with --collect-only, whose output lists node ids (one per line) for tools to read.
+    if state.size_notes and not config.option.collectonly:
+        terminalreporter.write_sep("=", "linattn sizes not run")
+        for line in state.size_notes:
+            terminalreporter.write_line(line)
     records = _all_records(config)
     if records:
         from . import parity
@@ -525,3 +628,5 @@ def pytest_terminal_summary(terminalreporter, config):
     if state.report_paths:
         terminalreporter.write_line(f"linattn report: {len(state.report_paths)} file(s) in "
                                     f"{os.path.dirname(str(state.report_paths[0]))}")
+    for note in state.report_notes:
+        terminalreporter.write_line(note)

@@ -22,7 +22,8 @@ module from its file when it is not importable by name (``--import-mode=importli
 ``parity.RECORDS`` (tensor named ``rank<r>:<name>``), so they appear in the run's summary.
 
 Launcher mode (``run_in_launcher``): when the caller itself runs under torchrun, fn runs on the
-existing process group and every rank gets every rank's return value.
+existing process group and every rank gets every rank's return value; failures travel through
+the launcher's store (pytest_linattn.launcher).
 """
 from __future__ import annotations
 
@@ -284,6 +285,8 @@ def _worker_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, file=dump_file, all_threads=True, chain=False)
+    # SIGSEGV, SIGABRT, ...: the stack goes to the same file, so the parent can show it.
+    faulthandler.enable(file=dump_file, all_threads=True)
     _sync_sys_path(sys_path)
     try:
         from . import autotune
@@ -492,6 +495,7 @@ class Pool:
         payload, files = _dumps_task(fn, tuple(args), dict(kwargs or {}))
         msg = pickle.dumps((list(sys.path), files, payload, fla_on_cpu), protocol=pickle.HIGHEST_PROTOCOL)
         name = getattr(fn, "__qualname__", repr(fn))
+        self._dump_offsets = self._dump_sizes()
         try:
             for conn in self.conns:
                 conn.send_bytes(msg)
@@ -560,6 +564,7 @@ class Pool:
             return [replies[r] for r in range(self.world_size)]
         self.broken = True
         stacks = self._dump_stacks(sorted(set(range(self.world_size)) - set(deaths)))
+        fatal = {r: self._fatal_dump(r) for r in deaths}  # before kill() removes the files
         self.kill()
         lines = []
         timed_out = not errors and not deaths
@@ -567,14 +572,20 @@ class Pool:
             lines.append(f"{what}: timed out after {timeout:g} s; {_ranks(pending)} had not "
                          f"returned. "
                          f"Every rank's Python stack follows; the ranks were killed.")
+        elif deaths:
+            # The death first: the survivors' errors (a closed connection) are its consequence.
+            lines.append(f"{what}: " + "; ".join(f"rank {r} {_exit_story(deaths[r])}"
+                                                 for r in sorted(deaths))
+                         + (f"; {_ranks(errors)} raised after that." if errors else "."))
         else:
-            failed = sorted(set(errors) | set(deaths))
-            lines.append(f"{what}: {_ranks(failed)} failed.")
+            lines.append(f"{what}: {_ranks(errors)} failed.")
+        for r in sorted(deaths):
+            lines.append(f"--- rank {r} {_exit_story(deaths[r])} (pid {self.procs[r].pid})")
+            if fatal[r]:
+                lines.append(_indent(fatal[r]))
         for r in sorted(errors):
             lines.append(f"--- rank {r} raised:")
             lines.append(_indent(errors[r]))
-        for r in sorted(deaths):
-            lines.append(f"--- rank {r} {_exit_story(deaths[r])} (pid {self.procs[r].pid})")
         if pending and not timed_out:
             lines.append(f"{_ranks(pending)} had not returned "
                          f"{FAILURE_GRACE:g} s after the failure and were killed; their stacks:")
@@ -585,6 +596,25 @@ class Pool:
                 lines.append(_indent(stacks[r] or "(no stack dumped)"))
         cls = RankTimeout if timed_out else RankFailure
         raise cls("\n".join(lines))
+
+    def _dump_sizes(self) -> list[int]:
+        sizes = []
+        for path in self._dump_paths:
+            try:
+                sizes.append(os.path.getsize(path))
+            except OSError:
+                sizes.append(0)
+        return sizes
+
+    def _fatal_dump(self, rank: int) -> str:
+        """What faulthandler wrote for a rank killed by a fatal signal during this call."""
+        offsets = getattr(self, "_dump_offsets", None) or [0] * self.world_size
+        try:
+            with open(self._dump_paths[rank], errors="replace") as f:
+                f.seek(offsets[rank])
+                return _trim_stack(f.read())
+        except OSError:
+            return ""
 
     def _dump_stacks(self, ranks: list[int]) -> dict[int, str]:
         """Every listed live rank's Python stack, via faulthandler on SIGUSR1."""
@@ -624,10 +654,13 @@ def _trim_stack(dump: str) -> str:
     blocks = []
     for block in dump.strip().split("\n\n"):
         lines = block.splitlines()
+        if lines and lines[0].startswith("Extension modules:"):
+            continue  # a fatal error's list of loaded C extensions
         if any(__file__ in ln and ln.endswith(" in watch") for ln in lines):
             continue
         for i, ln in enumerate(lines):
-            if __file__ in ln and (ln.endswith(" in _run_task") or ln.endswith(" in _worker_main")):
+            if __file__ in ln and ln.endswith((" in _run_task_inner", " in _run_task",
+                                                " in _worker_main")):
                 idle = ln.endswith(" in _worker_main") and i == 1
                 lines = lines[:i] + (["  (idle: waiting for the next call)"] if idle else [])
                 break
@@ -725,47 +758,21 @@ def _close_all() -> None:
 
 def launcher_world_size(environ=None) -> int | None:
     """WORLD_SIZE when this process was started by a launcher (torchrun), else None."""
-    environ = os.environ if environ is None else environ
-    value = environ.get("WORLD_SIZE")
-    if value in (None, ""):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"WORLD_SIZE must be an integer, got {value!r}") from None
+    from .launcher import launcher_world_size as world_size
+
+    return world_size(environ)
+
+
+_LAUNCHER_SESSION = None
 
 
 def run_in_launcher(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None,
                     *, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
-    """fn on the launcher's existing process group; every rank gets all ranks' values in order."""
-    import torch
-    import torch.distributed as dist
+    """fn on the launcher's existing process group; every rank gets all ranks' values in order.
+    Failures are reported through a side channel (see pytest_linattn.launcher)."""
+    global _LAUNCHER_SESSION
+    from .launcher import LauncherSession, launcher_rank
 
-    world_size = _check_world_size(world_size)
-    timeout = _check_timeout(timeout)
-    if not dist.is_initialized():
-        if device == "cuda":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://",
-                                timeout=datetime.timedelta(seconds=timeout))
-    actual = dist.get_world_size()
-    if actual != world_size:
-        raise ValueError(f"world_size={world_size} but this run was launched with WORLD_SIZE="
-                         f"{actual}: under torchrun, spawn can only use the launcher's world size")
-    try:
-        outcome = ("ok", to_cpu(fn(*args, **(kwargs or {}))))
-    except Exception:
-        outcome = ("error", traceback.format_exc())
-    # Gathered so every rank learns of every failure and returns the same list.
-    gathered: list = [None] * actual
-    dist.all_gather_object(gathered, outcome)
-    errors = {r: g[1] for r, g in enumerate(gathered) if g[0] == "error"}
-    if errors:
-        name = getattr(fn, "__qualname__", repr(fn))
-        lines = [f"{name}(...) on {actual} ranks: rank{'s' if len(errors) > 1 else ''} "
-                 f"{', '.join(map(str, errors))} failed."]
-        for r, tb in errors.items():
-            lines.append(f"--- rank {r} raised:")
-            lines.append(_indent(tb))
-        raise RankFailure("\n".join(lines))
-    return [g[1] for g in gathered]
+    if _LAUNCHER_SESSION is None:
+        _LAUNCHER_SESSION = LauncherSession(launcher_rank(), launcher_world_size() or world_size)
+    return _LAUNCHER_SESSION.run(fn, world_size, args, kwargs, device=device, timeout=timeout)

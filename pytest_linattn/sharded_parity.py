@@ -4,7 +4,9 @@ The pattern: the replicated layer (the reference, float64) runs once in the test
 packed batch; the sharded layer is built on every rank of a `spawn` world, loaded with its shard
 of the same weights, and runs forward and backward on the tokens its placement gives the rank;
 outputs, input gradients and parameter gradients are put back together and compared with
-`assert_parity` (relative Frobenius error per tensor; failures located by sequence, token, head).
+`assert_parity` (relative Frobenius error per tensor; failures located by sequence, token, head
+and the CP / TP rank holding the token, parameter gradients by the client's
+`describe_grad_element`). Every failing check of a case is reported, in one AssertionError.
 
 A client describes its layer with a `ShardedLayer` (module-level callables: they cross to the
 ranks by pickle-by-reference) and calls `assert_sharded_parity` (one layer, several placements)
@@ -64,6 +66,7 @@ LAYOUTS = ("contiguous", "zigzag")
 
 
 def _positive_int(value, what: str) -> int:
+    __tracebackhide__ = True
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{what} must be a positive int, got {value!r}")
     return value
@@ -142,6 +145,10 @@ class ShardedLayer:
         whole batch's (on the rank's device). Default: `module(x_local, cu_seqlens)`.
     after_backward(module, placement)
         The client's own gradient reduction after backward (a trainer's finalize step), if any.
+    describe_grad_element(name, index, placement) -> str | None
+        In the test process, for a failing parameter gradient: where element `index` (a tuple
+        into the replicated layer's parameter `name`) lies, in the layer's words ("value head 5,
+        channel 2 (TP rank 1)"), so the report needs no arithmetic; None: row/col or multi-index.
     """
 
     build: Callable
@@ -151,12 +158,13 @@ class ShardedLayer:
     process_groups: Callable = default_process_groups
     forward: Callable | None = None
     after_backward: Callable | None = None
+    describe_grad_element: Callable | None = None
 
     def __post_init__(self):
         for field in ("build", "shard", "unshard", "process_groups"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"ShardedLayer.{field} must be callable, got {getattr(self, field)!r}")
-        for field in ("forward", "after_backward"):
+        for field in ("forward", "after_backward", "describe_grad_element"):
             if getattr(self, field) is not None and not callable(getattr(self, field)):
                 raise ValueError(f"ShardedLayer.{field} must be callable or None, got {getattr(self, field)!r}")
         if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
@@ -169,6 +177,7 @@ class ShardedLayer:
 
 
 def _as_cu_seqlens(cu_seqlens) -> torch.Tensor:
+    __tracebackhide__ = True
     cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.as_tensor(cu_seqlens)
     _check_cu_seqlens(cu)
     return cu.to(torch.int32)
@@ -176,6 +185,7 @@ def _as_cu_seqlens(cu_seqlens) -> torch.Tensor:
 
 def _check_layout(bounds: list[int], placement: Placement) -> None:
     """ValueError unless the packing `bounds` can be laid out for `placement`."""
+    __tracebackhide__ = True
     T, cp, tp = bounds[-1], placement.cp, placement.tp
     if placement.cp_layout == "contiguous" and T % cp:
         raise ValueError(f"cu_seqlens: contiguous CP needs the total token count divisible by cp: {T} % {cp} != 0")
@@ -277,6 +287,7 @@ def assert_sharded_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module
     bitwise_replicated: TP-replicated gradients must be bit-identical across TP ranks (an
     all-reduce gives that); False compares them to rtol.
     """
+    __tracebackhide__ = True
     cu = _as_cu_seqlens(cu_seqlens)
     _positive_int(hidden_size, "hidden_size")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -297,6 +308,7 @@ def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int |
                         bitwise_replicated: bool = True) -> None:
     """Every case against its reference (as `assert_sharded_parity`), cases of the same world
     size in one spawn call (or all in one world of `world_size`)."""
+    __tracebackhide__ = True
     cases = list(cases)
     if not cases or not all(isinstance(c, ParityCase) for c in cases):
         raise ValueError("cases must be a non-empty sequence of ParityCase")
@@ -339,6 +351,7 @@ def _reference_run(case: ParityCase, runs: dict):
 def _gather_tokens(holders, ref, case, what):
     """The whole batch `[1, T, ...]` from the (tp_rank, cp_rank) -> tensor pieces in `holders`;
     tokens nobody holds stay NaN (never passes)."""
+    __tracebackhide__ = True
     full = torch.full(tuple(ref.shape), math.nan, dtype=torch.float64)
     for (t, c), piece in holders.items():
         index = rank_token_index(case.cu_seqlens, case.placement, t, c)
@@ -351,10 +364,30 @@ def _gather_tokens(holders, ref, case, what):
 
 
 def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) -> None:
-    p, cu, rtol = case.placement, case.cu_seqlens, case.rtol
+    """Every check of the case (outputs, input gradients, replicated and unsharded parameter
+    gradients, per data-parallel replica); one AssertionError with all that fail."""
+    __tracebackhide__ = True
+    p, rtol = case.placement, case.rtol
     tp, cp = p.tp, p.cp
     y_ref, dx_ref, grads_ref = reference
     world = len(results)
+    names = set(results[0][2])
+    unknown = sorted(case.layer.replicated - names)
+    if unknown:
+        raise ValueError(f"ShardedLayer.replicated names {unknown}, not parameters of the built module "
+                         f"(its parameters: {sorted(names)})")
+    describe = None
+    if case.layer.describe_grad_element is not None:
+        def describe(name, index):
+            return case.layer.describe_grad_element(name, index, p)
+    failures = []
+
+    def collect(check, *args, **kwargs):
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:  # keep going: one bug often breaks several tensors, and which ones tells
+            failures.append(str(exc))
+
     for d in range(world // p.size):
         label = case.name + (f"/dp{d}" if world > p.size else "")
 
@@ -368,27 +401,50 @@ def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) 
                 views = {(f" tp_rank{t}" if tp > 1 else ""): {(t, c): at(t, c)[k] for c in range(cp)}
                          for t in range(tp)}
             for suffix, holders in views.items():
-                full = _gather_tokens(holders, ref, case, what + suffix)
-                assert_parity(full, ref, rtol=rtol, name=f"{label} {what}{suffix}", cu_seqlens=cu)
-        names = set(at(0, 0)[2])
-        unknown = sorted(case.layer.replicated - names)
-        if unknown:
-            raise ValueError(f"ShardedLayer.replicated names {unknown}, not parameters of the built module "
-                             f"(its parameters: {sorted(names)})")
+                collect(_check_tokens, holders, ref, case, f"{label} {what}{suffix}", what + suffix)
         if tp > 1:
             for name in sorted(case.layer.replicated):
                 for c in range(cp):
                     where = f" (CP rank {c})" if cp > 1 else ""
-                    _check_replicated(label, name, [at(t, c)[2][name] for t in range(tp)], where, rtol,
-                                      bitwise_replicated)
+                    collect(_check_replicated, label, name, [at(t, c)[2][name] for t in range(tp)], where, rtol,
+                            bitwise_replicated)
         per_tp = []
         for t in range(tp):
             grads = [at(t, c)[2] for c in range(cp)]
             per_tp.append({n: _sum_over_cp([g.get(n) for g in grads]) for n in grads[0]})
-        assert_parity(case.layer.unshard(per_tp, p), grads_ref, rtol=rtol, name=f"{label} grad")
+        collect(assert_parity, case.layer.unshard(per_tp, p), grads_ref, rtol=rtol, name=f"{label} grad",
+                describe=describe)
+    if failures:
+        raise AssertionError(f"parity failed for case {case.name}: {len(failures)} failing check(s)\n\n"
+                             + "\n\n".join(failures))
+
+
+def _check_tokens(holders, ref, case, name, what) -> None:
+    """The gathered `[1, T, ...]` tensor against `ref`, failures naming the ranks holding the worst token."""
+    __tracebackhide__ = True
+    full = _gather_tokens(holders, ref, case, what)
+    assert_parity(full, ref, rtol=case.rtol, name=name, cu_seqlens=case.cu_seqlens,
+                  token_ranks=_token_ranks(holders, case))
+
+
+def _token_ranks(holders, case) -> dict | None:
+    """{"CP rank": .., "TP rank": ..} of every token, for the kinds that split the tokens here
+    (zigzag and SP make the holder something other than token // (T / cp))."""
+    p, T = case.placement, int(case.cu_seqlens[-1])
+    cp_rank, tp_rank = torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64)
+    for t, c in holders:
+        index = rank_token_index(case.cu_seqlens, p, t, c)
+        cp_rank[index], tp_rank[index] = c, t
+    ranks = {}
+    if p.cp > 1:
+        ranks["CP rank"] = cp_rank
+    if p.sequence_parallel:
+        ranks["TP rank"] = tp_rank
+    return ranks or None
 
 
 def _check_replicated(label, name, grads, where, rtol, bitwise):
+    __tracebackhide__ = True
     first = grads[0]
     for t, g in enumerate(grads[1:], start=1):
         if first is None or g is None:

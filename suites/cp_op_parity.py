@@ -1,12 +1,40 @@
-"""The float64 reference of the CP op tests (suites/cpu/test_cp_ops.py, suites/gpu-2/test_cp_ops_nccl.py):
-short conv and both delta rules on the whole packed batch, outputs and every input's gradient.
+"""What the CP op tests share (suites/cpu/test_cp_ops.py, suites/gpu-2/test_cp_ops_nccl.py): the
+token layout they shard and unshard with, and the float64 reference (short conv and both delta
+rules on the whole packed batch, outputs and every input's gradient).
+
+The layout is the harness's `rank_token_index`, written from the documented definition, never
+linattn's `cp_shard` / `cp_unshard`: a layout bug those share with the ops would cancel out.
 """
 
 from __future__ import annotations
 
+import math
+
+import torch
+
 from linattn import reference
+from pytest_linattn.sharded_parity import Placement, rank_token_index
 
 DELTA_RULES = ("gated_delta_rule", "kda")
+
+
+def _index(cu, cp_rank, cp_size, layout):
+    return rank_token_index(cu, Placement(cp=cp_size, cp_layout=layout), cp_rank=cp_rank)
+
+
+def shard(t, cu, cp_rank, cp_size, layout):
+    """The tokens (dim 1) of the whole batch's `t` that CP rank `cp_rank` holds, in its order."""
+    return t.index_select(1, _index(cu, cp_rank, cp_size, layout).to(t.device))
+
+
+def unshard(pieces, cu, layout):
+    """The whole batch (float64) from the CP ranks' pieces in rank order; a token no rank put
+    back stays NaN (never passes)."""
+    first = pieces[0]
+    full = torch.full((1, int(cu[-1]), *first.shape[2:]), math.nan, dtype=torch.float64)
+    for r, piece in enumerate(pieces):
+        full[:, _index(cu, r, len(pieces), layout)] = piece.detach().cpu().double()
+    return full
 
 
 def _float64_leaf(t):

@@ -31,9 +31,15 @@ from pytest_linattn.sharded_parity import ParityCase, Placement, ShardedLayer, r
 
 FAMILIES = ("qwen3_next", "qwen3_5", "kda")
 
-# KDA variants ride along the head ratios: the bounded gate with a full-rank output gate, and
-# Kimi Linear's unbounded gate with a low-rank (replicated g_a_proj) output gate
-KDA_OPTIONS = {2: {"gate_lower_bound": -5.0}, 3: {"output_gate_rank": 5}}
+# KDA variants ride along the head ratios (value heads per key head), so every test that runs
+# ratios 1, 2 and 3 runs both gates and both output gates: 1: bounded gate, low-rank (replicated
+# g_a_proj) output gate; 2: bounded gate, full-rank output gate; 3: Kimi Linear's unbounded gate
+# with a low-rank output gate
+KDA_OPTIONS = {
+    1: {"gate_lower_bound": -5.0, "output_gate_rank": 5},
+    2: {"gate_lower_bound": -5.0},
+    3: {"output_gate_rank": 5},
+}
 
 
 def make_config(family, ratio):
@@ -114,7 +120,64 @@ def linattn_layer(config) -> ShardedLayer:
         shard=functools.partial(_shard, config),
         unshard=functools.partial(_unshard, config),
         replicated={n for n, layout in parameter_layouts(config).items() if layout.split == "replicated"},
+        describe_grad_element=functools.partial(describe_grad_element, config),
     )
+
+
+def _head_blocks(config, name):
+    """(groups, blocks) of the head-split dim of parameter `name` (parameter_layouts' table):
+    the dim is `groups` repeats of the blocks, a block (part, "key"/"value", heads, per head)."""
+    c = config
+    H, HV, dk, dv, r = c.num_k_heads, c.num_v_heads, c.head_k_dim, c.head_v_dim, c.v_heads_per_k_head
+    base = name.removesuffix(".weight")
+    qkv = [("q", "key", H, dk), ("k", "key", H, dk), ("v", "value", HV, dv)]
+    if c.family == "qwen3_next" and base == "in_proj_qkvz":  # grouped per key head
+        return H, [("q", "key", 1, dk), ("k", "key", 1, dk), ("v", "value", r, dv), ("z", "value", r, dv)]
+    if c.family == "qwen3_next" and base == "in_proj_ba":
+        return H, [("b", "value", r, 1), ("a", "value", r, 1)]
+    if base in ("in_proj_qkv", "conv1d"):
+        return 1, qkv
+    table = {
+        "in_proj_z": ("value", HV, dv), "in_proj_b": ("value", HV, 1), "in_proj_a": ("value", HV, 1),
+        "A_log": ("value", HV, 1), "dt_bias": ("value", HV, dk if c.family == "kda" else 1),
+        "out_proj": ("value", HV, dv), "o_proj": ("value", HV, dv),
+        "q_proj": ("key", H, dk), "k_proj": ("key", H, dk), "v_proj": ("value", HV, dv),
+        "q_conv1d": ("key", H, dk), "k_conv1d": ("key", H, dk), "v_conv1d": ("value", HV, dv),
+        "f_b_proj": ("value", HV, dk), "b_proj": ("value", HV, 1), "g_proj": ("value", HV, dv),
+        "g_b_proj": ("value", HV, dv),
+    }
+    return (1, [(None, *table[base])]) if base in table else (1, [])
+
+
+def describe_grad_element(config, name, index, placement) -> str | None:
+    """Where element `index` of parameter `name` (the replicated layer's) lies: its head and
+    channel, the other dims as row / col / tap, and the TP rank holding it, from
+    parameter_layouts' split. None for TP-replicated parameters (no heads to name)."""
+    layout = parameter_layouts(config).get(name)
+    if layout is None or layout.split == "replicated" or len(index) != len(layout.shape):
+        return None
+    groups, blocks = _head_blocks(config, name)
+    if not blocks:
+        return None
+    dim = 1 if layout.split == "cols" else 0
+    rest = index[dim]
+    per_group = sum(heads * per_head for _, _, heads, per_head in blocks)
+    group, rest = divmod(rest, per_group)
+    for part, kind, heads, per_head in blocks:
+        if rest < heads * per_head:
+            break
+        rest -= heads * per_head
+    head, channel = divmod(rest, per_head)
+    head += group * heads
+    total_heads = config.num_k_heads if kind == "key" else config.num_v_heads
+    words = [f"{part}: " if part else ""]
+    words[0] += f"{kind} head {head}" + (f", channel {channel}" if per_head > 1 else "")
+    other = {0: "row", 1: "col", 2: "tap"}  # conv weights [channels, 1, W]: dim 2 is the tap
+    words += [f"{other[d]} {i}" for d, i in enumerate(index) if d != dim and layout.shape[d] > 1]
+    text = ", ".join(words)
+    if placement.tp > 1:
+        text += f" (TP rank {head // (total_heads // placement.tp)})"
+    return text
 
 
 @functools.lru_cache(maxsize=32)
@@ -197,20 +260,26 @@ BF16_CASES = {
 }
 
 
-def check_bf16_layer(case, device, *, rtol=2e-2):
-    """A bf16 layer on `device` against the float64 replicated layer on the CPU, same weights and
-    inputs (drawn in float64, rounded to bf16 once, so what is left is the bf16 computation's
-    error): output, dx and every parameter gradient <= rtol."""
+def bf16_case(case):
+    """(config, weights, cu_seqlens, x, dy) of a BF16_CASES case: weights, input and output
+    cotangent seeded, drawn in float64 and rounded to bf16 once (float64 tensors holding bf16
+    values)."""
     family, ratio, extra = BF16_CASES[case]
     config = gpu_config(family, ratio, **extra)
     seed = 2026 + list(BF16_CASES).index(case)
     sd = random_state_dict(config, seed, fla_init=True, round_to=torch.bfloat16)
     gen = torch.Generator().manual_seed(seed + 1)
     cu = torch.tensor(BF16_CU_SEQLENS, dtype=torch.int32)
-    T = BF16_CU_SEQLENS[-1]
-    x, dy = (torch.randn(1, T, config.hidden_size, generator=gen, dtype=torch.float64)
+    x, dy = (torch.randn(1, BF16_CU_SEQLENS[-1], config.hidden_size, generator=gen, dtype=torch.float64)
              .to(torch.bfloat16).double() for _ in range(2))
+    return config, sd, cu, x, dy
 
+
+def check_bf16_layer(case, device, *, rtol=2e-2):
+    """A bf16 layer on `device` against the float64 replicated layer on the CPU, same weights and
+    inputs (bf16_case: what is left is the bf16 computation's error): output, dx and every
+    parameter gradient <= rtol."""
+    config, sd, cu, x, dy = bf16_case(case)
     reference = build_layer(config, dtype=torch.float64)
     reference.load_state_dict(sd)
     y_ref, dx_ref, grads_ref = run_layer(reference, x, dy, cu)

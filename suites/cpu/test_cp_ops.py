@@ -1,38 +1,56 @@
 """CP ops (linattn.parallel.cp) against the single-process float64 reference on the full batch.
 
 Every case shards one packed batch over the CP ranks, runs the CP op and its backward on every
-rank, puts outputs and input gradients back together (cp_unshard; weight gradients summed over
-ranks) and compares with the reference run on the whole batch: <= 1e-10 relative in float64.
-Several cases share one spawn call to keep the suite quick.
+rank, puts outputs and input gradients back together (weight gradients summed over ranks) and
+compares with the reference run on the whole batch: <= 1e-10 relative in float64. Sharding and
+unsharding use the documented layout (cp_op_parity.shard / unshard, the harness's
+rank_token_index), not cp_shard / cp_unshard, which are themselves checked against hand-written
+index lists. Several cases share one spawn call to keep the suite quick.
+
+Coverage: packings by name (CONTIGUOUS, ZIGZAG); a piece is one rank's T / cp tokens (zigzag:
+after the relayout into the contiguous layout); the conv halo is W-1 = 3 tokens.
+
+    feature                                    cp 2                         cp 4
+    length-1 sequence                          edge+len1, inside            span3+edge+len1, span4
+    boundary inside a piece                    edge+len1, inside            span3+edge+len1, span4
+    boundary exactly on a piece edge           edge+len1, zz-chunk1         span3+edge+len1, zz
+    sequence crossing a piece edge             inside, zz, pieces < W-1     span3+edge+len1, span4, zz
+    sequence over >= 3 pieces (state relayed)  - (2 pieces)                 span3+edge+len1 (3), span4 (4)
+    pieces < W-1, halo from the previous rank  tiny-pieces (its 2 tokens),  -
+                                               one-token-pieces (1 token)
+    pieces < W-1, halo from 2 or 3 ranks back  - (needs cp >= 3)            tiny-pieces (2), one-token-pieces (3)
+    zigzag, one token per chunk                zz-chunk1                    zz-chunk1
+    seeded random packing (packed_seqlens)     contiguous, zigzag           contiguous, zigzag
 """
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_op_parity import reference_case
+from cp_op_parity import reference_case, shard, unshard
 from linattn.parallel import cp
 from pytest_linattn.parity import assert_parity
 from pytest_linattn.seqlens import packed_seqlens
+from pytest_linattn.sharded_parity import Placement, rank_token_index
 
 RTOL = 1e-10
 W = 4  # conv width: a halo of 3 tokens, longer than some pieces below
 D = 3
 H, HV, K, V = 1, 2, 3, 2  # GVA: two value heads per key head
 
-# (name, sequence lengths) per cp size. Contiguous cases cover a length-1 sequence, a boundary
-# exactly on a shard edge, boundaries inside shards, a sequence over >= 3 ranks, and pieces
-# shorter than W-1 (the conv halo then comes from several ranks).
+# (name, sequence lengths) per cp size (what each covers: the module docstring)
 CONTIGUOUS = {
     2: [
         ("edge+len1", [1, 11, 5, 7]),  # T=24, shard edge at 12
         ("inside", [7, 10, 1, 6]),
-        ("tiny-pieces", [4]),  # 2 tokens per rank < W-1
+        ("tiny-pieces", [4]),  # 2 tokens per rank < W-1: rank 1's halo is all of rank 0
+        ("one-token-pieces", [2]),  # rank 1's halo is rank 0's one token
     ],
     4: [
         ("span3+edge+len1", [1, 3, 20, 4, 4]),  # T=32: 4..24 spans ranks 0-2, edge at 24
         ("span4", [5, 26, 1]),
         ("tiny-pieces", [1, 7]),  # 2 tokens per rank: halo from 2 ranks
+        ("one-token-pieces", [4]),  # rank 3's halo from ranks 0, 1 and 2
     ],
 }
 # zigzag: every length divisible by 2*cp
@@ -87,17 +105,17 @@ def _run_cp_cases(cases):
         out = {}
 
         c = case["conv"]
-        x = _leaf(cp.cp_shard(c["x"], cu, rank, size, layout))
+        x = _leaf(shard(c["x"], cu, rank, size, layout))
         weight, bias = _leaf(c["weight"]), _leaf(c["bias"])
         y = cp.short_conv(x, weight, bias, "silu", ctx)
-        (y * cp.cp_shard(c["dy"], cu, rank, size, layout)).sum().backward()
+        (y * shard(c["dy"], cu, rank, size, layout)).sum().backward()
         out["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
 
         for op in ("gated_delta_rule", "kda"):
             t = case[op]
-            ins = {n: _leaf(cp.cp_shard(t[n], cu, rank, size, layout)) for n in ("q", "k", "v", "g", "beta")}
+            ins = {n: _leaf(shard(t[n], cu, rank, size, layout)) for n in ("q", "k", "v", "g", "beta")}
             o = cp.delta_rule(op, *ins.values(), None, case["l2norm"], ctx)
-            (o * cp.cp_shard(t["do"], cu, rank, size, layout)).sum().backward()
+            (o * shard(t["do"], cu, rank, size, layout)).sum().backward()
             out[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
         results.append(out)
     return results
@@ -117,28 +135,48 @@ def test_cp_ops_match_reference(spawn, cp_size):
                 if key in ("dweight", "dbias"):  # parameter grads are per-rank partial sums
                     got[key] = torch.stack(pieces).sum(0)
                 else:
-                    got[key] = cp.cp_unshard(pieces, cu, cp_size, layout)
+                    got[key] = unshard(pieces, cu, layout)
             assert_parity(got, ref[op], rtol=RTOL, name=f"cp{cp_size}/{case['name']}/{op}", cu_seqlens=cu)
+
+
+# The documented layouts (cp.py's docstring) written out by hand: (layout, lengths, cp, the
+# global tokens of each rank in its local order). Zigzag cuts each sequence into 2*cp chunks and
+# rank r holds chunks r and 2*cp-1-r of every sequence.
+HAND_WRITTEN_LAYOUTS = [
+    ("contiguous", [1, 5], 2, [[0, 1, 2], [3, 4, 5]]),
+    ("contiguous", [3, 1, 4], 4, [[0, 1], [2, 3], [4, 5], [6, 7]]),
+    # chunks of 1 (tokens 0-3) and 2 (tokens 4-11)
+    ("zigzag", [4, 8], 2, [[0, 3, 4, 5, 10, 11], [1, 2, 6, 7, 8, 9]]),
+    # chunks of 1 (tokens 0-7) and 2 (tokens 8-23)
+    ("zigzag", [8, 16], 4, [[0, 7, 8, 9, 22, 23], [1, 6, 10, 11, 20, 21], [2, 5, 12, 13, 18, 19],
+                            [3, 4, 14, 15, 16, 17]]),
+]
+
+
+@pytest.mark.parametrize("layout, lengths, cp_size, held", HAND_WRITTEN_LAYOUTS)
+def test_shard_unshard_follow_the_documented_layout(layout, lengths, cp_size, held):
+    cu = _cu(lengths)
+    tokens = torch.arange(int(cu[-1])).view(1, -1)
+    for r in range(cp_size):
+        assert cp.cp_token_index(cu, r, cp_size, layout).tolist() == held[r], f"rank {r}"
+        assert cp.cp_shard(tokens, cu, r, cp_size, layout).tolist() == [held[r]], f"rank {r}"
+    shards = [torch.tensor([h]) for h in held]
+    assert torch.equal(cp.cp_unshard(shards, cu, cp_size, layout), tokens)
 
 
 @pytest.mark.parametrize("layout", cp.LAYOUTS)
 @pytest.mark.parametrize("cp_size", [2, 4])
-def test_shard_unshard_round_trip(cp_size, layout):
+def test_shard_unshard_agree_with_the_harness_layout(cp_size, layout):
+    # every packing of the op tests: cp_shard gives the tokens the tests shard with, cp_unshard inverts it
     table = CONTIGUOUS if layout == "contiguous" else ZIGZAG
     for _, lengths in table[cp_size]:
         cu = _cu(lengths)
-        full = torch.randn(1, int(cu[-1]), 2, dtype=torch.float64)
-        shards = [cp.cp_shard(full, cu, r, cp_size, layout) for r in range(cp_size)]
-        assert all(s.shape[1] == full.shape[1] // cp_size for s in shards)
-        assert torch.equal(cp.cp_unshard(shards, cu, cp_size, layout), full)
-
-
-def test_zigzag_is_per_sequence():
-    # two sequences of 8 tokens, cp=2: chunks of 2; rank 0 holds chunks 0 and 3 of each
-    cu = _cu([8, 8])
-    tokens = torch.arange(16).view(1, 16)
-    assert cp.cp_shard(tokens, cu, 0, 2, "zigzag").tolist() == [[0, 1, 6, 7, 8, 9, 14, 15]]
-    assert cp.cp_shard(tokens, cu, 1, 2, "zigzag").tolist() == [[2, 3, 4, 5, 10, 11, 12, 13]]
+        tokens = torch.arange(int(cu[-1])).view(1, -1)
+        shards = [cp.cp_shard(tokens, cu, r, cp_size, layout) for r in range(cp_size)]
+        for r, s in enumerate(shards):
+            index = rank_token_index(cu, Placement(cp=cp_size, cp_layout=layout), cp_rank=r)
+            assert s.tolist() == [index.tolist()], f"{lengths} rank {r}"
+        assert torch.equal(cp.cp_unshard(shards, cu, cp_size, layout), tokens)
 
 
 def test_context_metadata():

@@ -9,12 +9,14 @@ checked against hand-written examples, and bad input raises ValueError before an
 """
 
 import functools
+import re
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from layer_parity import linattn_layer, make_config
 from linattn.parallel import group_rank
 from linattn.parallel.cp import cp_token_index
 from linattn.parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -100,9 +102,18 @@ def reduce_gain_over_tp(module, placement):
         dist.all_reduce(module.gain.grad, group=module.tp_group)
 
 
+def describe_toy_grad(name, index, placement):
+    """fc1's rows are hidden units, split over TP; the other parameters keep the default words."""
+    if name != "fc1.weight":
+        return None
+    unit, feature = index
+    return f"hidden unit {unit}, input {feature} (TP rank {unit // (HIDDEN // placement.tp)})"
+
+
 def toy_client(bug=None, **extra):
     return ShardedLayer(build=functools.partial(build_toy, bug=bug), shard=functools.partial(shard_toy, bug=bug),
-                        unshard=functools.partial(unshard_toy, bug=bug), replicated={"gain"}, **extra)
+                        unshard=functools.partial(unshard_toy, bug=bug), replicated={"gain"},
+                        describe_grad_element=describe_toy_grad, **extra)
 
 
 def toy_reference(seed=0):
@@ -149,6 +160,66 @@ def test_planted_bug_is_caught(spawn, bug, placement, bitwise, message):
     with capture_records(), pytest.raises(AssertionError, match=message):
         assert_sharded_parity(spawn, toy_client(bug), toy_reference(), [placement], CU, hidden_size=DIM, seed=1,
                               rtol=RTOL, bitwise_replicated=bitwise, name="toy")
+
+
+def test_every_failing_check_of_the_case_is_reported(spawn):
+    # a dropped halo breaks the output, the input gradient and every parameter gradient
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("no_halo"), toy_reference(), [Placement(cp=2)], CU,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    msg = str(info.value)
+    assert msg.startswith("parity failed for case toy/cp2-contiguous/seed1: 3 failing check(s)")
+    for check in ("output: 1 of 1", "dx: 1 of 1", "grad: 3 of 3"):
+        assert f"parity failed for toy/cp2-contiguous/seed1 {check} tensor(s) off" in msg
+
+
+@pytest.mark.parametrize("placement", [Placement(cp=2, cp_layout="zigzag"),
+                                       Placement(tp=2, cp=2, cp_layout="zigzag", sequence_parallel=True)])
+def test_failure_names_the_ranks_holding_the_worst_token(spawn, placement):
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("no_halo"), toy_reference(), [placement], CU_ZIGZAG,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    named = re.findall(r"\(global (\d+)\) on CP rank (\d)(?:, TP rank (\d))?", str(info.value))
+    assert len(named) == 2  # the output's and the input gradient's worst token
+    for token, cp_rank, tp_rank in named:
+        held = _tokens(CU_ZIGZAG, placement, int(tp_rank or 0), int(cp_rank))
+        assert int(token) in held, f"token {token} is not on CP rank {cp_rank}, TP rank {tp_rank}: {held}"
+        assert bool(tp_rank) == placement.sequence_parallel
+
+
+def test_parameter_gradient_located_by_the_client(spawn):
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("reversed"), toy_reference(), [Placement(tp=2)], CU,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    (unit, feature, tp_rank, row, col), = re.findall(
+        r"fc1.weight .* hidden unit (\d+), input (\d+) \(TP rank (\d)\) at index \((\d+), (\d+)\)", str(info.value))
+    assert (unit, feature) == (row, col) and int(tp_rank) == int(unit) // (HIDDEN // 2)
+
+
+# linattn's layer (4 key heads of dk 8, value heads 2 per key head of dv 6) at TP = 2: the worst
+# element of a parameter gradient by head and channel, from parameter_layouts' table
+LAYER_GRAD_ELEMENTS = [
+    ("qwen3_5", "A_log", (5,), "value head 5 (TP rank 1)"),
+    ("qwen3_5", "in_proj_qkv.weight", (19, 6), "q: key head 2, channel 3, col 6 (TP rank 1)"),
+    ("qwen3_5", "in_proj_qkv.weight", (77, 0), "v: value head 2, channel 1, col 0 (TP rank 0)"),  # 77 = 2 * 32 + 13
+    ("qwen3_5", "conv1d.weight", (20, 0, 3), "q: key head 2, channel 4, tap 3 (TP rank 1)"),
+    ("qwen3_5", "out_proj.weight", (1, 35), "value head 5, channel 5, row 1 (TP rank 1)"),
+    ("qwen3_5", "norm.weight", (5,), None),  # replicated: the default words
+    # grouped per key head: 40 rows each (q 8, k 8, v 12, z 12); row 63 is key head 1's v, row 7
+    ("qwen3_next", "in_proj_qkvz.weight", (63, 0), "v: value head 3, channel 1, col 0 (TP rank 0)"),
+    ("qwen3_next", "in_proj_ba.weight", (11, 4), "a: value head 5, col 4 (TP rank 1)"),
+    ("qwen3_next", "dt_bias", (2,), "value head 2 (TP rank 0)"),
+    ("kda", "dt_bias", (43,), "value head 5, channel 3 (TP rank 1)"),
+    ("kda", "q_conv1d.weight", (9, 0, 2), "key head 1, channel 1, tap 2 (TP rank 0)"),
+    ("kda", "f_b_proj.weight", (63, 2), "value head 7, channel 7, col 2 (TP rank 1)"),
+    ("kda", "f_a_proj.weight", (1, 2), None),
+]
+
+
+@pytest.mark.parametrize("family, name, index, words", LAYER_GRAD_ELEMENTS)
+def test_layer_client_locates_gradient_elements_by_head(family, name, index, words):
+    describe = linattn_layer(make_config(family, 2)).describe_grad_element
+    assert describe(name, index, Placement(tp=2)) == words
 
 
 # ---- the token layout, by hand ------------------------------------------------------------------

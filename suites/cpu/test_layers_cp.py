@@ -7,10 +7,34 @@ which lays the tokens out itself): the output and the input gradient, and every 
 (summed over the CP group: the layer leaves them per-rank partial sums, for the training loop's
 data x context all-reduce).
 
-Packings (contiguous): a length-1 sequence, a boundary inside a shard, one exactly on a shard
-edge, a sequence over >= 3 ranks (cp 4), pieces of 2 tokens, shorter than the conv halo of
-W-1 = 3 (cp.py gathers the halo from several ranks: exact, so no rule forbids them), and one
-seeded packing from the plugin's packed_seqlens. Zigzag: every length divisible by 2*cp.
+Coverage: packings by name (CP_PACKINGS, TP_CP_PACKINGS); a piece is one rank's T / cp tokens
+(zigzag: after the relayout into the contiguous layout); the conv halo is W-1 = 3 tokens.
+
+    feature                                    cp 2                           cp 4
+    length-1 sequence                          edge+len1, cross+inside        span3+edge+len1
+    boundary inside a piece                    edge+len1, cross+inside        span3+edge+len1
+    boundary exactly on a piece edge           edge+len1, zz-edge             span3+edge+len1, zz
+    sequence crossing a piece edge             cross+inside, tiny-pieces, zz  span3+edge+len1, tiny-pieces, zz
+    sequence over >= 3 pieces (state relayed)  - (2 pieces)                   span3+edge+len1 (3), tiny-pieces (4)
+    pieces < W-1, halo from the previous rank  tiny-pieces (T=4: 2-token      tiny-pieces (rank 1)
+                                               pieces, a 1-token halo)
+    pieces < W-1, halo from 2 ranks back       - (needs cp >= 3)              tiny-pieces (ranks 2 and 3)
+    float32                                    cross+inside                   span3+edge+len1
+    seeded random packing (packed_seqlens)     contiguous, zigzag             contiguous, zigzag
+    TP x CP (tp 2): SP off / on                edge+len1, cross+len1, zz /    - (8 ranks)
+                                               cross+len1, zz, float32
+    gradients by autograd.grad, inputs=        contiguous, zigzag             contiguous, zigzag
+
+The CP op tests (test_cp_ops.py) add 1-token pieces (cp 2: T=2; cp 4: a halo from 3 ranks back)
+and, at cp 2, a halo that is the previous rank's whole 2-token piece (T=4).
+
+    variant (make_config ratio)                cp 2                  cp 4                 TP x CP
+    GVA 1 (KDA: bounded gate, low-rank         float32, zz-edge      float32, zz          edge+len1, zz SP
+           output gate)
+    GVA 2 (KDA: bounded gate, full-rank)       edge+len1, tiny,      span3, random        cross SP, zz
+                                               random contiguous     contiguous
+    GVA 3 (KDA: unbounded gate, low-rank)      cross+inside, zz,     tiny, random zigzag  cross, float32 SP
+                                               random zigzag
 """
 
 import pytest
@@ -30,25 +54,26 @@ CP_PACKINGS = {
         ("contiguous", "edge+len1", [1, 7, 5, 3], 2, torch.float64),  # T=16, shard edge at 8
         ("contiguous", "cross+inside", [3, 10, 1, 2], 3, torch.float64),  # 3..13 crosses the edge
         ("contiguous", "tiny-pieces", [1, 3], 2, torch.float64),  # 2 tokens per rank < W-1
-        ("contiguous", "cross+inside", [3, 10, 1, 2], 2, torch.float32),
-        ("zigzag", "zz", [4, 12, 8], 3, torch.float64),
+        ("contiguous", "cross+inside", [3, 10, 1, 2], 1, torch.float32),
+        ("zigzag", "zz", [4, 12, 8], 3, torch.float64),  # 4..16 crosses the piece edge at 12
+        ("zigzag", "zz-edge", [4, 8, 4, 8], 1, torch.float64),  # a boundary on the piece edge at 12
     ],
     4: [
         ("contiguous", "span3+edge+len1", [1, 3, 20, 4, 4], 2, torch.float64),  # 4..24 over ranks 0-2, edge at 24
         ("contiguous", "tiny-pieces", [1, 7], 3, torch.float64),  # 2 tokens per rank: halo from 2 ranks
-        ("contiguous", "span3+edge+len1", [1, 3, 20, 4, 4], 3, torch.float32),
-        ("zigzag", "zz", [8, 16, 8], 2, torch.float64),
+        ("contiguous", "span3+edge+len1", [1, 3, 20, 4, 4], 1, torch.float32),
+        ("zigzag", "zz", [8, 16, 8], 1, torch.float64),  # pieces of 8: edges at 8 and 24, 8..24 crosses 16
     ],
 }
 
-# TP x CP = 2 x 2: (layout, name, lengths, sp, dtype); T / cp divisible by tp for SP
+# TP x CP = 2 x 2: (layout, name, lengths, head ratio, sp, dtype); T / cp divisible by tp for SP
 TP_CP_PACKINGS = [
-    ("contiguous", "edge+len1", [1, 4, 7, 9, 3], False, torch.float64),  # T=24, CP shard edge at 12
-    ("contiguous", "cross+len1", [5, 14, 1, 4], True, torch.float64),  # 5..19 crosses the CP edge
-    ("contiguous", "cross+len1", [5, 14, 1, 4], False, torch.float64),
-    ("zigzag", "zz", [4, 12, 8], True, torch.float64),
-    ("zigzag", "zz", [4, 12, 8], False, torch.float64),
-    ("contiguous", "cross+len1", [5, 14, 1, 4], True, torch.float32),
+    ("contiguous", "edge+len1", [1, 4, 7, 9, 3], 1, False, torch.float64),  # T=24, CP shard edge at 12
+    ("contiguous", "cross+len1", [5, 14, 1, 4], 2, True, torch.float64),  # 5..19 crosses the CP edge
+    ("contiguous", "cross+len1", [5, 14, 1, 4], 3, False, torch.float64),
+    ("zigzag", "zz", [4, 12, 8], 1, True, torch.float64),
+    ("zigzag", "zz", [4, 12, 8], 2, False, torch.float64),
+    ("contiguous", "cross+len1", [5, 14, 1, 4], 3, True, torch.float32),
 ]
 
 
@@ -79,8 +104,8 @@ def test_cp_layer_matches_replicated(spawn, cp_size, packed_seqlens, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tp_cp_layer_matches_replicated(spawn, tp_size, cp_size, family):
     cases = []
-    for i, (layout, name, lengths, sp, dtype) in enumerate(TP_CP_PACKINGS):
-        cases.append(make_case(make_config(family, 2 + i % 2), _cu(lengths), seed=_seed(family, i, 5),
+    for i, (layout, name, lengths, ratio, sp, dtype) in enumerate(TP_CP_PACKINGS):
+        cases.append(make_case(make_config(family, ratio), _cu(lengths), seed=_seed(family, i, 5),
                                tp=tp_size, cp=cp_size, layout=layout, sp=sp, dtype=dtype, name=name, rtol=RTOL))
     assert_parity_cases(spawn, cases, world_size=tp_size * cp_size)
 

@@ -1,11 +1,19 @@
 """Head-sharded layers at TP = tp_size (gloo, CPU) against the replicated layer on the same weights.
 
-Each family runs, in one spawn call per (family, tp_size): value heads 2x and 3x the key heads,
-sequence parallel on and off, in float64 (<= 1e-10), plus one float32 case (<= 1e-5). Compared:
+Each family runs, in one spawn call per (family, tp_size): value heads 1x, 2x and 3x the key heads,
+sequence parallel on and off, in float64 (<= 1e-10) and float32 (<= 1e-5; a sharding bug is an
+O(1) error in either). Compared:
 the output, the input gradient and every parameter gradient (the ranks' gradients unsharded with
 unshard_state_dict). Inputs are packed sequences, one of them a single token. Cases are
 suites/layer_parity.py's, shared with the CP and GPU layer tests; the checks are the public
 harness's (pytest_linattn.sharded_parity).
+
+Coverage, at TP 2 and 4 (variant: layer_parity.make_config's ratio, KDA options by ratio):
+
+    variant                                          cases
+    GVA 1 (KDA: bounded gate, low-rank out gate)     SP off (float64), SP on (float32)
+    GVA 2 (KDA: bounded gate, full-rank out gate)    SP off, SP on (float64)
+    GVA 3 (KDA: unbounded gate, low-rank out gate)   SP off, SP on (float64)
 """
 
 import pytest
@@ -22,8 +30,8 @@ RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def make_cases(family, tp_size):
-    specs = [(ratio, sp, torch.float64) for ratio in (2, 3) for sp in (False, True)]
-    specs.append((3, True, torch.float32))
+    specs = [(1, False, torch.float64)] + [(ratio, sp, torch.float64) for ratio in (2, 3) for sp in (False, True)]
+    specs.append((1, True, torch.float32))
     cu = torch.tensor([0, *SEQLENS]).cumsum(0).to(torch.int32)
     return [
         make_case(make_config(family, ratio), cu, seed=100 * FAMILIES.index(family) + i, tp=tp_size, sp=sp,

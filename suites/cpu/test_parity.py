@@ -9,6 +9,8 @@ import torch
 from pytest_linattn import parity
 from pytest_linattn.parity import RECORDS, assert_parity, capture_records, format_summary, set_current_test, write_report
 
+pytest_plugins = ["pytester"]
+
 
 @pytest.fixture(autouse=True)
 def recs():
@@ -186,3 +188,98 @@ def test_error_map_is_binned_for_long_tensors(recs):
     # Cells add up in quadrature to the tensor's error.
     total = math.sqrt(sum(v * v for row in rec["map"] for v in row))
     assert total == pytest.approx(rec["error"])
+
+
+def test_cu_seqlens_must_end_at_the_token_count():
+    e = _x(1, 8, 3)
+    with pytest.raises(ValueError, match=r"^cu_seqlens must end at the token count T .*"
+                                         r"cu_seqlens\[-1\] = 6, tensors have T = 8"):
+        assert_parity(e + 1.0, e, rtol=1e-3, cu_seqlens=torch.tensor([0, 2, 6]))
+    # a dict may also hold tensors without tokens (a final state [1, H, K, V]): one [1, T, ...] fits
+    o, state = _x(1, 8, 2, 4), _x(1, 2, 4, 4)
+    assert_parity({"o": o, "S": state}, {"o": o, "S": state}, rtol=1e-3, cu_seqlens=torch.tensor([0, 3, 8]))
+
+
+def test_last_dim_of_hidden_is_a_feature_and_heads_have_channels():
+    cu = torch.tensor([0, 3, 8])
+    e = _x(1, 8, 5)
+    a = e.clone()
+    a[0, 6, 4] += 1.0
+    with pytest.raises(AssertionError) as info:
+        assert_parity(a, e, rtol=1e-3, cu_seqlens=cu)
+    assert "seq 1 token 3 (global 6), feature 4 at index (0, 6, 4)" in str(info.value)
+    assert "head" not in str(info.value)
+    e = _x(1, 8, 2, 4)
+    a = e.clone()
+    a[0, 6, 1, 3] += 1.0
+    with pytest.raises(AssertionError, match=r"seq 1 token 3 \(global 6\), head 1, channel 3 at index \(0, 6, 1, 3\)"):
+        assert_parity(a, e, rtol=1e-3, cu_seqlens=cu)
+
+
+# CP rank of each token of two sequences of 8 in the zigzag layout at cp = 2 (chunks of 2 tokens:
+# rank 0 holds chunks 0 and 3 of each sequence); token 14 is on rank 0, not 14 // 8 = 1
+ZIGZAG_CP2 = [0, 0, 1, 1, 1, 1, 0, 0] * 2
+
+
+def test_failure_names_the_rank_holding_the_worst_token(recs):
+    e = _x(1, 16, 3)
+    a = e.clone()
+    a[0, 14, 1] += 1.0
+    with pytest.raises(AssertionError, match=r"seq 1 token 6 \(global 14\) on CP rank 0, feature 1"):
+        assert_parity(a, e, rtol=1e-5, cu_seqlens=torch.tensor([0, 8, 16]), token_ranks={"CP rank": ZIGZAG_CP2})
+    assert recs[-1]["worst"]["ranks"] == {"CP rank": 0}
+    assert recs[-1]["shard_edges"] == [2, 6, 10, 14]
+
+
+@pytest.mark.parametrize("token_ranks, rule", [
+    ([0] * 16, r"^token_ranks must be a non-empty dict"),
+    ({"CP rank": [0.5] * 16}, r"^token_ranks must map a rank kind \(str\) to one int rank per token"),
+    ({"CP rank": [0] * 15}, r"^token_ranks must give one rank per token: lengths \[15\], cu_seqlens\[-1\] = 16"),
+])
+def test_bad_token_ranks_raise_value_error(token_ranks, rule):
+    with pytest.raises(ValueError, match=rule):
+        assert_parity(_x(1, 16, 3), _x(1, 16, 3), rtol=1e-3, cu_seqlens=torch.tensor([0, 16]), token_ranks=token_ranks)
+
+
+def test_heatmap_names_the_comparison_and_marks_shard_edges(tmp_path, recs, monkeypatch):
+    from matplotlib.axes import Axes
+
+    titles, lines = [], []
+    set_title, axvline = Axes.set_title, Axes.axvline
+    monkeypatch.setattr(Axes, "set_title", lambda ax, text, **kw: titles.append(text) or set_title(ax, text, **kw))
+    monkeypatch.setattr(Axes, "axvline", lambda ax, x=0, **kw: lines.append(x) or axvline(ax, x, **kw))
+    e = _x(1, 16, 3)
+    set_current_test("t::case")
+    with pytest.raises(AssertionError):
+        assert_parity({"o": e + 1.0}, {"o": e}, rtol=1e-5, name="cp2-zigzag/dp1 grads",
+                      cu_seqlens=torch.tensor([0, 8, 16]), token_ranks={"CP rank": ZIGZAG_CP2})
+    paths = write_report(recs, tmp_path)
+    assert sorted(p.name for p in paths) == ["parity.json", "t_case__cp2-zigzag_dp1_grads_o.png"]
+    assert "cp2-zigzag/dp1 grads: o" in titles[0]
+    assert sorted(lines) == [2, 6, 8, 10, 14]  # shard edges and the sequence start at 8
+
+
+BROKEN_TEST = """
+import torch
+from pytest_linattn import assert_parity
+
+
+def test_broken():
+    x = torch.randn(1, 8, 3, dtype=torch.float64)
+    y = x.clone()
+    y[0, 5, 1] += 10.0
+    assert_parity(y, x, rtol=1e-10, name="grad_q")
+"""
+
+
+def test_report_without_matplotlib_still_shows_the_failure(pytester):
+    # a fresh interpreter whose conftest makes matplotlib unimportable before the report needs it
+    pytester.makeconftest('import sys\nsys.modules["matplotlib"] = None\n')
+    pytester.makepyfile(test_inner=BROKEN_TEST)
+    report = pytester.path / "report"
+    result = pytester.runpytest_subprocess("--linattn-report", str(report), "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*parity failed for grad_q*", "*worst element*", "*linattn parity*",
+                                 "*no PNG: matplotlib is not installed*"])
+    assert [p.name for p in report.iterdir()] == ["parity.json"]

@@ -10,6 +10,9 @@ import subprocess
 import sys
 
 import pytest
+# Imported here, once: pytester's in-process runs drop the modules they imported, and torch's C
+# extension cannot be imported a second time (this file alone failed with "bad call flags").
+import torch  # noqa: F401
 
 from pytest_linattn import options
 
@@ -101,6 +104,13 @@ def test_sizes_not_asked_for_are_deselected(pytester):
     result = pytester.runpytest("--tp", "3", "--cp", "4")
     # test_declared supports only 2 and 4; test_param_cp only 1 and 2: deselected, not failed.
     result.assert_outcomes(passed=3, deselected=4)
+    # Sizes asked for that a test does not support are named in the summary, one line per test.
+    result.stdout.fnmatch_lines([
+        "*= linattn sizes not run =*",
+        "test_sizes.py::test_declared: not run at tp 3 asked for; the test supports tp 2, 4",
+        "test_sizes.py::test_param_cp: not run at cp 4 asked for; the test supports cp 1, 2",
+    ])
+    assert "test_tp:" not in result.stdout.str()  # option-driven: every size asked for runs
 
 
 def test_ini_keys_and_precedence(pytester):

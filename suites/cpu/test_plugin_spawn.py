@@ -49,6 +49,12 @@ def kill_self_on_one():
     dist.barrier()
 
 
+def segv_on_one():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)
+    dist.barrier()
+
+
 def _record(out):
     with open(os.environ["PIDS_FILE"], "a") as f:
         f.write(" ".join(str(o["pid"]) for o in out) + "\n")
@@ -93,6 +99,16 @@ def test_dying_rank(spawn):
 
 def test_signalled_rank(spawn):
     spawn(kill_self_on_one, 2)
+
+
+def test_segfaulting_rank(spawn):
+    spawn(segv_on_one, 2)
+
+
+def test_parity_failure_shows_no_library_frames():
+    from pytest_linattn import assert_parity
+    x = torch.ones(3, dtype=torch.float64)
+    assert_parity(x + 1, x, rtol=1e-10, name="y")
 
 
 def test_after_death(spawn):
@@ -204,7 +220,8 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
         "test_tensors_in_rank_order": "passed", "test_pool_is_reused": "passed",
         "test_world_size_one": "passed", "test_raising_rank": "failed",
         "test_after_raise": "passed", "test_dying_rank": "failed",
-        "test_signalled_rank": "failed", "test_after_death": "passed",
+        "test_signalled_rank": "failed", "test_segfaulting_rank": "failed",
+        "test_parity_failure_shows_no_library_frames": "failed", "test_after_death": "passed",
         "test_nested_function_is_refused": "passed", "test_bad_world_size": "passed",
     }, result.stdout.str()
     text = result.stdout.str()
@@ -216,6 +233,17 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     # The dying ranks: rank and exit code / signal name.
     assert "rank 0 died with exit code 7" in text
     assert "rank 1 died with signal SIGKILL" in text
+    # A death comes before the survivor's error (its consequence), and a fatal signal has a stack.
+    signalled = text.split("kill_self_on_one(...) on 2 ranks:", 1)[1]
+    assert signalled.index("--- rank 1 died") < signalled.index("--- rank 0 raised"), signalled
+    segv = text.split("segv_on_one(...) on 2 ranks: rank 1 died with signal SIGSEGV", 1)[1]
+    assert "Fatal Python error: Segmentation fault" in segv
+    assert 'test_ranks.py", line 34 in segv_on_one' in segv.split("--- rank 0 raised")[0], segv
+    # A parity failure starts at the test's line, not in assert_parity's own source.
+    parity = text.split("test_parity_failure_shows_no_library_frames ___", 1)[1]
+    parity = parity.split("\n", 1)[1].split("\n_", 1)[0].split("\n- generated", 1)[0]
+    assert "assert_parity(x + 1, x" in parity and "def assert_parity" not in parity, parity
+    assert "pytest_linattn/parity.py" not in parity, parity
     # Failures stay quick: a raise waits only the short grace for the other ranks.
     assert _durations(junit)["test_raising_rank"] < 15
     # No rank outlives the run.
@@ -301,54 +329,6 @@ def test_many(spawn, i):
         result.assert_outcomes(passed=20)
         assert "rendezvous" not in text.lower() and "address already in use" not in text.lower()
         print(f"round {round_}: 20 passed in {time.monotonic() - start:.1f} s")
-
-
-LAUNCHED_TESTS = r'''
-import os
-import pytest
-import torch
-import torch.distributed as dist
-from pytest_linattn.pool import RankFailure
-
-
-def info(x):
-    return dist.get_rank(), os.getpid(), torch.tensor([x * (dist.get_rank() + 1)])
-
-
-def raise_on_one():
-    if dist.get_rank() == 1:
-        raise KeyError("launched rank one")
-    return "fine"
-
-
-def test_gathered(spawn):
-    out = spawn(info, 2, 3)
-    assert [o[0] for o in out] == [0, 1]
-    assert [o[2].item() for o in out] == [3, 6]
-    assert out[dist.get_rank()][1] == os.getpid()  # ran here, not in a spawned process
-
-
-def test_world_size_must_match(spawn):
-    with pytest.raises(ValueError, match="WORLD_SIZE=2"):
-        spawn(info, 4, 1)
-
-
-def test_failure_reaches_every_rank(spawn):
-    with pytest.raises(RankFailure, match="rank 1 failed") as err:
-        spawn(raise_on_one, 2)
-    assert "KeyError: 'launched rank one'" in str(err.value)
-'''
-
-
-def test_launcher_mode_under_torchrun(pytester):
-    pytester.makepyfile(test_launched=LAUNCHED_TESTS)
-    result = pytester.run(sys.executable, "-m", "torch.distributed.run", "--standalone",
-                          "--nproc_per_node", "2", "-m", "pytest", "-p", "pytest_linattn",
-                          "--linattn-device", "cpu", "-q", "-p", "no:cacheprovider",
-                          "test_launched.py", timeout=180)
-    text = result.stdout.str()
-    assert result.ret == 0, text + result.stderr.str()
-    assert text.count("3 passed") == 2, text
 
 
 SLEEPER = r"""

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from cp_op_parity import DELTA_RULES as OPS, reference_case
+from cp_op_parity import DELTA_RULES as OPS, reference_case, shard as shard_tokens, unshard
 from layer_parity import GPU_HEADS
 from linattn.parallel import cp
 from pytest_linattn.parity import assert_parity
@@ -67,12 +67,12 @@ def _run_cp_cases(cases):
         ctx = cp.build_context(cu.to(device), T, None, layout)
 
         def shard(t):
-            return cp.cp_shard(t, cu, rank, size, layout).to(device)
+            return shard_tokens(t, cu, rank, size, layout).to(device)
 
         out = {}
         for path in ("fla", "exchange"):
             c = case["conv"]
-            x = _leaf(cp.cp_shard(c["x"], cu, rank, size, layout), device)
+            x = _leaf(shard(c["x"]), device)
             weight, bias = _leaf(c["weight"], device), _leaf(c["bias"], device)
             conv_fn = None if path == "fla" else kernels.short_conv
             y = cp.short_conv(x, weight, bias, "silu", ctx, conv_fn=conv_fn)
@@ -80,7 +80,7 @@ def _run_cp_cases(cases):
             out[(path, "conv")] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
             for op in OPS:
                 t = case[op]
-                ins = {n: _leaf(cp.cp_shard(t[n], cu, rank, size, layout), device) for n in ("q", "k", "v", "g", "beta")}
+                ins = {n: _leaf(shard(t[n]), device) for n in ("q", "k", "v", "g", "beta")}
                 fn = op if path == "fla" else getattr(kernels, op)
                 o = cp.delta_rule(fn, *ins.values(), None, True, ctx)
                 (o * shard(t["do"])).sum().backward()
@@ -103,5 +103,5 @@ def test_cp_ops_bf16_match_reference(spawn, cp_size):
                 if key in ("dweight", "dbias"):  # parameter grads are per-rank partial sums
                     got[key] = torch.stack([p.double() for p in pieces]).sum(0)
                 else:
-                    got[key] = cp.cp_unshard(pieces, cu, cp_size, layout)
+                    got[key] = unshard(pieces, cu, layout)
             assert_parity(got, ref[op], rtol=RTOL, name=f"cp{cp_size}/{case['name']}/{path}/{op}", cu_seqlens=cu)
