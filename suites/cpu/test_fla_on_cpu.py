@@ -117,3 +117,27 @@ def test_fla_context_parallel_layer_matches_replicated(fla_on_cpu, spawn, cp_siz
     summed = {n: sum(r[2][n] for r in per_rank) for n in per_rank[0][2]}
     summed[FLA_GATE_BIAS] = torch.zeros_like(summed[FLA_GATE_BIAS])
     assert_parity(from_fla_state_dict(summed, config), grads_ref, rtol=RTOL, name=f"fla cp{cp_size} grad")
+
+
+def test_transformers_closure_is_restored_on_exit():
+    """The switch reaches fla's kernel in transformers' closure while active, and puts the
+    original back on exit."""
+    import fla.ops.gated_delta_rule as fla_gdn
+    from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+    from linattn.emulation import fla_on_cpu
+
+    original = fla_gdn.chunk_gated_delta_rule
+    key = "fla.ops.gated_delta_rule.chunk:chunk_gated_delta_rule"
+
+    def holds(fn, obj):
+        from linattn.emulation.patching import _closure_cells
+
+        return any(cell.cell_contents is obj for cell in _closure_cells(fn))
+
+    assert holds(hf.torch_chunk_gated_delta_rule, original)
+    with fla_on_cpu():
+        assert _emulation_reached(hf.torch_chunk_gated_delta_rule, key)
+        assert not holds(hf.torch_chunk_gated_delta_rule, original)
+    assert holds(hf.torch_chunk_gated_delta_rule, original)
+    assert fla_gdn.chunk_gated_delta_rule is original
