@@ -7,9 +7,11 @@ the ranks then see only those GPUs through CUDA_VISIBLE_DEVICES.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import re
+import sys
 import tempfile
 import time
 from typing import Callable
@@ -36,7 +38,25 @@ def visible_gpu_ids() -> list[str]:
     return [str(i) for i in range(_torch_device_count())]
 
 
+def _gpu_driver_present() -> bool:
+    """Whether a GPU driver torch could count devices with is on this machine. torch reaches
+    NVIDIA GPUs through the CUDA driver library and AMD ones through ROCm's kernel driver; on a
+    Linux machine with neither the count is 0, so there is no need to import torch (seconds) to
+    learn it. Elsewhere, or once torch is imported, torch answers."""
+    if not sys.platform.startswith("linux") or "torch" in sys.modules:
+        return True
+    if os.path.exists("/dev/kfd"):
+        return True
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
 def _torch_device_count() -> int:
+    if not _gpu_driver_present():
+        return 0
     try:
         import torch
     except ImportError:

@@ -304,3 +304,33 @@ def test_parity_summary_and_report(pytester, xdist):
     assert sorted((r["test"], r["tensor"], r["passed"]) for r in records) == [
         ("test_par.py::test_broken", "grad_q", False), ("test_par.py::test_close", "out", True)]
     assert list(report.glob("*.png"))
+
+
+def test_gpu_count_without_a_driver_needs_no_torch(monkeypatch):
+    """On Linux with neither the CUDA driver library nor ROCm's device, the GPU count is 0 before
+    torch is imported (a CPU run never pays torch's import to learn it); with either, or once torch
+    is imported, torch is asked."""
+    import ctypes
+    import types
+
+    from pytest_linattn import gpus
+
+    def no_library(name):
+        raise OSError(f"{name}: cannot open shared object file")
+
+    before_torch = types.SimpleNamespace(platform="linux", modules={})
+    monkeypatch.setattr(gpus, "sys", before_torch)
+    monkeypatch.setattr(gpus.os.path, "exists", lambda path: False)
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert not gpus._gpu_driver_present()
+    assert gpus._torch_device_count() == 0
+    monkeypatch.setattr(gpus.os.path, "exists", lambda path: path == "/dev/kfd")
+    assert gpus._gpu_driver_present()
+    monkeypatch.setattr(gpus.os.path, "exists", lambda path: False)
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: object())
+    assert gpus._gpu_driver_present()
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    monkeypatch.setattr(gpus, "sys", types.SimpleNamespace(platform="linux", modules={"torch": object()}))
+    assert gpus._gpu_driver_present()
+    monkeypatch.setattr(gpus, "sys", types.SimpleNamespace(platform="darwin", modules={}))
+    assert gpus._gpu_driver_present()
