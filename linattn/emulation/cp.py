@@ -31,23 +31,13 @@ def _fla_zigzag_index(total: int, cp_rank: int, cp_size: int) -> torch.Tensor:
     return torch.cat([torch.arange(cp_rank * part, (cp_rank + 1) * part), torch.arange(back * part, (back + 1) * part)])
 
 
-def _fla_zigzag_plan(total: int, cp_rank: int, cp_size: int):
-    """All-to-all plan from fla's zigzag layout to the contiguous one (rows per peer rank)."""
-    local = total // cp_size
-    mine = _fla_zigzag_index(total, cp_rank, cp_size)
-    send_index = [torch.nonzero(mine // local == d).flatten() for d in range(cp_size)]
-    recv_index = []
-    for src in range(cp_size):
-        theirs = _fla_zigzag_index(total, src, cp_size)
-        recv_index.append(theirs[theirs // local == cp_rank] - cp_rank * local)
-    return linattn_cp._RelayoutPlan(send_index, recv_index)
-
-
 def _linattn_context(global_cu: torch.Tensor, group, layout: str) -> linattn_cp.CPContext:
     ctx = linattn_cp.build_context(global_cu, cp_group=group, layout="contiguous")
     if layout == "zigzag" and ctx.cp_size > 1:
         # fla's whole-batch zigzag: tokens move to the contiguous piece and back by all-to-all
-        ctx._plan = _fla_zigzag_plan(ctx.total_tokens, ctx.cp_rank, ctx.cp_size)
+        total, size = ctx.total_tokens, ctx.cp_size
+        ctx._plan = linattn_cp.relayout_plan_to_contiguous(
+            lambda rank: _fla_zigzag_index(total, rank, size), ctx.cp_rank, size, total // size)
         ctx.layout = "fla-zigzag"
     return ctx
 

@@ -397,20 +397,25 @@ def build_context(
 
     plan = None
     if layout == "zigzag" and cp_size > 1:
-        plan = _zigzag_to_contiguous_plan(cu, cp_rank, cp_size, local)
+        plan = relayout_plan_to_contiguous(lambda rank: _zigzag_index(cu, rank, cp_size), cp_rank, cp_size, local)
     return CPContext(
         group=cp_group, cp_rank=cp_rank, cp_size=cp_size, layout=layout, cu_seqlens=cu,
         local_cu_seqlens=local_cu, prev_tokens=prev_tokens, _plan=plan,
     )
 
 
-def _zigzag_to_contiguous_plan(cu, cp_rank, cp_size, local) -> _RelayoutPlan:
-    mine = _zigzag_index(cu, cp_rank, cp_size)
+def relayout_plan_to_contiguous(tokens_of_rank: Callable[[int], torch.Tensor], cp_rank: int, cp_size: int,
+                                local: int) -> _RelayoutPlan:
+    """The all-to-all plan that moves this rank's tokens from a layout into the contiguous one.
+
+    tokens_of_rank(r): the global token indices rank r holds in that layout, in its local order;
+    local: tokens per rank."""
+    mine = tokens_of_rank(cp_rank)
     dest = mine // local
     send_index = [torch.nonzero(dest == d).flatten() for d in range(cp_size)]
     recv_index = []
     for src in range(cp_size):
-        theirs = _zigzag_index(cu, src, cp_size)
+        theirs = tokens_of_rank(src)
         # the source sends its rows for us in its local order; they land at global - start
         recv_index.append(theirs[theirs // local == cp_rank] - cp_rank * local)
     return _RelayoutPlan(send_index, recv_index)
