@@ -29,7 +29,7 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .pool import RankFailure, RankTimeout, _check_timeout, _check_world_size, _indent, to_cpu
+from .pool import RankFailure, RankTimeout, _check_timeout, _check_world_size, _indent, _ranks, to_cpu
 
 __all__ = ["BrokenGroup", "LauncherSession", "launcher_rank", "launcher_world_size"]
 
@@ -67,11 +67,6 @@ def launcher_rank(environ=None) -> int:
         return int(environ.get("RANK", "0"))
     except ValueError:
         raise ValueError(f"RANK must be an integer, got {environ.get('RANK')!r}") from None
-
-
-def _ranks(ranks) -> str:
-    ranks = sorted(ranks)
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
 
 
 class _Call:
