@@ -11,7 +11,7 @@ initial_state `[N, HV, K, V]`. Returns (o `[B, T, HV, V]` in q's dtype, final st
 import torch
 
 from linattn import selection
-from linattn.reference.checks import require
+from linattn.checks import require
 
 ROUTES = selection.GDN_ROUTES
 

@@ -8,7 +8,7 @@
 import torch
 
 from linattn import selection
-from linattn.reference.checks import require
+from linattn.checks import require
 
 BACKENDS = ("torch",) + selection.CONV_BACKENDS
 ACTIVATIONS = ("silu", "swish", None)

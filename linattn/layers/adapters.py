@@ -27,7 +27,7 @@ import math
 
 import torch
 
-from linattn.reference.checks import require
+from linattn.checks import require
 
 from .config import GDN_FAMILIES, LinearAttentionConfig
 from .state_dict import _check_keys, canonical_tensor, parameter_layouts, shard_state_dict, unshard_state_dict

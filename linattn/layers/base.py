@@ -42,7 +42,7 @@ from linattn.parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from linattn.reference.checks import validate_cu_seqlens
+from linattn.checks import validate_cu_seqlens
 
 from .config import LinearAttentionConfig
 from .state_dict import FLATTENABLE, parameter_layouts

@@ -71,7 +71,7 @@ def _check_layout(layout: str) -> None:
 
 def _check_cu_seqlens(cu_seqlens, total_tokens: int | None = None) -> torch.Tensor:
     """Global cu_seqlens as a CPU int64 tensor; ValueError if it is not a valid packing."""
-    from linattn.reference.checks import validate_cu_seqlens
+    from linattn.checks import validate_cu_seqlens
 
     cu = torch.as_tensor(cu_seqlens)
     if cu.dim() == 1 and cu.numel() >= 1 and total_tokens is None:

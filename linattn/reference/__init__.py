@@ -2,7 +2,7 @@
 
 Output is float64 whatever the input dtype (compute_dtype=float32 runs the same math in float32
 for the CPU kernels). Packed sequences come in through `cu_seqlens`, with fla's argument order and
-shapes. Input rules live in `linattn.reference.checks`.
+shapes. Input rules live in `linattn.checks`.
 """
 
 from .delta_rule import gated_delta_rule, kda

@@ -21,7 +21,7 @@ import math
 import torch
 from torch.autograd.function import once_differentiable
 
-from .checks import (
+from linattn.checks import (
     require,
     sequence_bounds,
     validate_compute_dtype,

@@ -8,7 +8,7 @@ token's own sequence count as zero, so nothing crosses a packed-sequence boundar
 import torch
 import torch.nn.functional as F
 
-from .checks import require, sequence_bounds, validate_compute_dtype, validate_floating, validate_shape
+from linattn.checks import require, sequence_bounds, validate_compute_dtype, validate_floating, validate_shape
 
 ACTIVATIONS = ("silu", "swish", None)
 

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn.reference import delta_rule, gated_delta_rule, kda, short_conv
-from linattn.reference.checks import validate_cu_seqlens
+from linattn.checks import validate_cu_seqlens
 
 F64 = torch.float64
 

@@ -1,4 +1,4 @@
-"""Input validation shared by the references, kernels and layers.
+"""Input validation shared by every package of linattn: references, kernels, layers, CP (and the plugin).
 
 Every rule raises ValueError whose message starts with the argument's name, so a caller (and a
 test's `match=`) can tell which argument broke which rule.
