@@ -9,7 +9,7 @@
 #         GPUs are shared may not be the fastest; the timed call then measures those.
 #   run   the breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table (TP/CP 1, 2
 #         and, on four GPUs, 4); JSON and logs in $OUT/bench/ (plots, anywhere:
-#         python suites/bench/_common.py plot JSON... --out DIR). LINATTN_BENCH_STAGES="layers
+#         python suites/bench/plot.py JSON... --out DIR). LINATTN_BENCH_STAGES="layers
 #         kernels" runs those stages one after another instead, nothing beside them.
 set -uo pipefail
 OUT=${OUT:-reports/gpu}

@@ -2,7 +2,7 @@
 
 The `choose_*` functions take a `Facts` and return a `Choice` (the value and a human reason);
 they read nothing from the machine, so every branch is testable on a CPU. The wrappers
-`short_conv_backend()`, `kda_tilelang_setting()` and `gdn_route()` read the real facts once
+`short_conv_backend()`, `gate_norm_backend()`, `kda_tilelang_setting()` and `gdn_route()` read the real facts once
 per process, log the choice at INFO on the "linattn.selection" logger, and cache it.
 
 Everything here mirrors fla 0.6.0; the comments cite the file that each rule copies.
@@ -46,6 +46,7 @@ class Facts:
     triton_version: str | None = None
     causal_conv1d_bwd_importable: bool = False  # causal_conv1d.cpp_functions.causal_conv1d_bwd_function
     tilelang_usable: bool = False  # tilelang installed and an nvcc for its JIT found
+    fla_installed: bool = False  # flash-linear-attention / fla-core importable (not imported)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,22 @@ def choose_short_conv_backend(facts: Facts) -> Choice:
     return Choice("torch", "no CUDA: torch kernels on the CPU")
 
 
+def choose_gate_norm_backend(facts: Facts) -> Choice:
+    """`fla` (fla's fused pieces) or `torch` for the elementwise math around the kernels.
+
+    fla fuses the decay gate and the beta sigmoid into its chunk kernels (chunk_kda and
+    chunk_gated_delta_rule with use_gate_in_kernel / use_beta_sigmoid_in_kernel, fla/ops/kda/gate.py,
+    fla/ops/common/gate.py) and the gated RMSNorm into one Triton kernel
+    (fla/modules/norm/fused_norm_gate.py); all compute in float32, the same precision as the torch
+    path. On a CPU fla cannot run.
+    """
+    if facts.cuda_available and facts.fla_installed:
+        return Choice("fla", "CUDA present and fla installed: gate, beta sigmoid and gated norm fused in fla's kernels")
+    if facts.cuda_available:
+        return Choice("torch", "CUDA present but fla not installed: gate, beta and gated norm in torch ops")
+    return Choice("torch", "no CUDA: gate, beta and gated norm in torch ops")
+
+
 def choose_kda_tilelang(facts: Facts) -> Choice:
     """The FLA_TILELANG value to be in force for KDA's backward (None: unset, fla's default).
 
@@ -128,8 +145,9 @@ def choose_kda_tilelang(facts: Facts) -> Choice:
     return Choice(None, "Hopper or older (or no CUDA): FLA_TILELANG left unset, fla's default applies")
 
 
-def choose_gdn_route(facts: Facts) -> Choice:
-    """`kda` where fla refuses the gated delta rule backward, else `gated_delta_rule`.
+def choose_gdn_route(facts: Facts, needs_backward: bool = True) -> Choice:
+    """`kda` where fla refuses the gated delta rule backward and the call needs one, else
+    `gated_delta_rule` (fla's forward is allowed everywhere).
 
     The refusal (fla/ops/common/chunk_o.py chunk_bwd_dqkwg, reached from
     fla/ops/gated_delta_rule/chunk.py chunk_gated_delta_rule_bwd) needs Hopper, Triton in
@@ -138,6 +156,8 @@ def choose_gdn_route(facts: Facts) -> Choice:
     """
     if not facts.cuda_available:
         return Choice("gated_delta_rule", "no CUDA: the torch reference runs gated delta rule directly")
+    if not needs_backward:
+        return Choice("gated_delta_rule", "forward only (no gradient recorded): fla's forward is allowed")
     if not is_hopper(facts):
         return Choice("gated_delta_rule", f"capability {facts.capability} is not Hopper: fla's backward is allowed")
     if not triton_in_bad_hopper_band(facts):
@@ -198,6 +218,7 @@ def read_facts() -> Facts:
         # importing causal_conv1d loads its CUDA extension: only try where CUDA exists.
         causal_conv1d_bwd_importable=cuda and _causal_conv1d_bwd_importable(),
         tilelang_usable=importlib.util.find_spec("tilelang") is not None and _has_usable_nvcc(),
+        fla_installed=importlib.util.find_spec("fla") is not None,
     )
 
 
@@ -205,6 +226,13 @@ def read_facts() -> Facts:
 def short_conv_backend() -> str:
     choice = choose_short_conv_backend(read_facts())
     logger.info("short conv backend: %s (%s)", choice.value, choice.reason)
+    return choice.value
+
+
+@functools.cache
+def gate_norm_backend() -> str:
+    choice = choose_gate_norm_backend(read_facts())
+    logger.info("gate / beta / gated norm: %s (%s)", choice.value, choice.reason)
     return choice.value
 
 
@@ -224,7 +252,7 @@ def kda_tilelang_setting() -> str | None:
 
 
 @functools.cache
-def gdn_route() -> str:
-    choice = choose_gdn_route(read_facts())
-    logger.info("gated delta rule route: %s (%s)", choice.value, choice.reason)
+def gdn_route(needs_backward: bool = True) -> str:
+    choice = choose_gdn_route(read_facts(), needs_backward)
+    logger.info("gated delta rule route%s: %s (%s)", "" if needs_backward else " (forward only)", choice.value, choice.reason)
     return choice.value

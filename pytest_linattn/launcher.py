@@ -29,11 +29,12 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .pool import RankFailure, RankTimeout, _check_timeout, _check_world_size, _indent, _ranks, to_cpu
+from .rank_reports import (FAILURE_GRACE, RankFailure, RankTimeout, call_name, describe_ranks, launcher_abort,
+                           raised_lines)
+from .rank_worker import to_cpu
 
 __all__ = ["BrokenGroup", "LauncherSession", "launcher_rank", "launcher_world_size"]
 
-FAILURE_GRACE = 2.0  # after one rank's error, how long the others get to answer
 STACK_WAIT = 3.0  # after an abort, how long to wait for every live rank's stack
 FREE_WAIT = 4.0  # after an abort, how long a stuck rank gets to be freed
 OVER_WAIT = 60.0  # how long a non-zero rank waits for rank 0 to finish its report
@@ -163,8 +164,7 @@ class LauncherSession:
 
     def run(self, fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
             device: str = "cpu", timeout: float, test: str = "") -> list[Any]:
-        world_size = _check_world_size(world_size)
-        timeout = _check_timeout(timeout)
+        # world_size and timeout: checked by the caller, pytest_linattn.pool.run_on_ranks
         if self.broken is not None:
             raise BrokenGroup("the process group was broken by an earlier call; no more "
                               "distributed calls in this session:\n" + self.broken)
@@ -193,7 +193,8 @@ class LauncherSession:
         self._clean_up(call.number)
         errors = {r: o[1] for r, o in enumerate(outcomes) if o[0] == "error"}
         if errors:
-            message = self._failure_story(fn, call, errors, outcomes)
+            message = "\n".join([f"{self._call_name(fn, call)}: {describe_ranks(errors)} failed.",
+                                 *raised_lines(errors)])
             if not self._group_works(dist):
                 self.broken = message
                 raise BrokenGroup(message + "\nThe process group no longer works after this "
@@ -201,14 +202,8 @@ class LauncherSession:
             raise RankFailure(message)
         return [o[1] for o in outcomes]
 
-    def _failure_story(self, fn, call, errors, outcomes) -> str:
-        name = getattr(fn, "__qualname__", repr(fn))
-        lines = [f"{name}(...) on {self.world_size} ranks (launcher mode, call {call.number}): "
-                 f"{_ranks(errors)} failed."]
-        for r in sorted(errors):
-            lines.append(f"--- rank {r} raised:")
-            lines.append(_indent(errors[r]).rstrip("\n"))
-        return "\n".join(lines)
+    def _call_name(self, fn, call: _Call) -> str:
+        return f"{call_name(fn, self.world_size)} (launcher mode, call {call.number})"
 
     def _run_fn(self, call: _Call, fn, args, kwargs) -> tuple:
         try:
@@ -288,7 +283,7 @@ class LauncherSession:
                 statuses[r] = self.store.get(key).decode()
         if len(statuses) == self.world_size:
             return None
-        waiting = _ranks(set(range(self.world_size)) - set(statuses))
+        waiting = describe_ranks(set(range(self.world_size)) - set(statuses))
         failed = sorted(r for r, s in statuses.items() if s == "error")
         now = time.monotonic()
         if call.stop_reason:
@@ -300,7 +295,7 @@ class LauncherSession:
                 call.first_error_at = now
             if now < call.first_error_at + FAILURE_GRACE:
                 return None
-            reason = (f"{_ranks(failed)} raised and {waiting} had not answered "
+            reason = (f"{describe_ranks(failed)} raised and {waiting} had not answered "
                       f"{FAILURE_GRACE:g} s later")
         else:
             return None
@@ -387,24 +382,10 @@ class LauncherSession:
         answered = {int(r) for r in answered.split(",") if r}
         silent = set(range(self.world_size)) - set(stacks) - set(outcomes)
         errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error" and r in answered}
-        name = getattr(fn, "__qualname__", repr(fn)) if fn is not None else "a call"
-        lines = [f"{name}(...) on {self.world_size} ranks (launcher mode, call {call.number}): "
-                 f"{reason}. The process group is broken: the session stops after this test."]
-        # A rank that died comes first: the others' errors are usually its consequence.
-        for r in sorted(silent):
-            lines.append(f"--- rank {r} sent nothing: it died (torchrun's log gives its exit "
-                         f"code) or is stuck outside Python")
-        for r in sorted(errors):
-            lines.append(f"--- rank {r} raised:")
-            lines.append(_indent(errors[r]).rstrip("\n"))
-        for r in sorted(set(stacks) - answered):
-            lines.append(f"--- rank {r} stack at the abort (it had not returned):")
-            lines.append(_indent(stacks[r]).rstrip("\n"))
-        tests = {o[2] for o in outcomes.values() if len(o) > 2}
-        if len(tests) > 1:
-            lines.append(f"The ranks were in different tests ({', '.join(sorted(tests))}): every "
-                         f"rank must make the same spawn calls in the same order.")
-        return "\n".join(lines), reason.startswith("timed out"), silent
+        story = launcher_abort(self._call_name(fn, call), reason, silent=silent, errors=errors,
+                               stacks={r: st for r, st in stacks.items() if r not in answered},
+                               tests={o[2] for o in outcomes.values() if len(o) > 2})
+        return story, reason.startswith("timed out"), silent
 
 
 class BrokenTimeout(BrokenGroup, RankTimeout):

@@ -10,21 +10,25 @@ feature of `[1, T, hidden]`) when `cu_seqlens` is given, with the ranks holding 
 
 Every compared tensor also appends a record to the module-level `RECORDS` list; the pytest
 plugin prints `format_summary(RECORDS)` at the end of the run and can `write_report` them as
-JSON plus one error heatmap (token × head or feature) per failure. This module imports no pytest.
+JSON plus one error heatmap (token × head or feature) per failure (both in
+`pytest_linattn.parity_report`, importable from here). This module imports no pytest.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
+
+from .parity_report import format_number, format_summary, format_table, write_report
+from .seqlens import cu_seqlens_bounds
+
+__all__ = ["RECORDS", "assert_parity", "capture_records", "current_test", "format_summary", "set_current_test",
+           "write_report"]
 
 RECORDS: list[dict] = []
 _sink: list[dict] = RECORDS  # where new records go; capture_records() swaps it
@@ -50,10 +54,6 @@ def current_test() -> str:
     # pytest sets "path::test (call)" while a test runs; works without the plugin too.
     env = os.environ.get("PYTEST_CURRENT_TEST", "")
     return env.rsplit(" (", 1)[0] if env else "<no test>"
-
-
-def clear_records() -> None:
-    RECORDS.clear()
 
 
 @contextmanager
@@ -96,8 +96,8 @@ def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seq
     tensor/dict, non-tensors).
     """
     __tracebackhide__ = True
-    rtol = _check_rtol(rtol)
-    bounds = _check_cu_seqlens(cu_seqlens)
+    rtol = check_rtol(rtol)
+    bounds = None if cu_seqlens is None else cu_seqlens_bounds(cu_seqlens)
     ranks = _check_token_ranks(token_ranks, bounds)
     if describe is not None and not callable(describe):
         raise ValueError(f"describe must be callable or None, got {describe!r}")
@@ -114,7 +114,7 @@ def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seq
     return results
 
 
-def _check_rtol(rtol) -> float:
+def check_rtol(rtol) -> float:
     __tracebackhide__ = True
     if isinstance(rtol, bool) or not isinstance(rtol, (int, float)):
         raise ValueError(f"rtol must be a number, got {type(rtol).__name__}")
@@ -122,20 +122,6 @@ def _check_rtol(rtol) -> float:
     if not (rtol > 0 and math.isfinite(rtol)):
         raise ValueError(f"rtol must be positive and finite, got {rtol}")
     return rtol
-
-
-def _check_cu_seqlens(cu_seqlens) -> list[int] | None:
-    __tracebackhide__ = True
-    if cu_seqlens is None:
-        return None
-    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.is_floating_point() or cu_seqlens.is_complex():
-        raise ValueError(f"cu_seqlens must be an integer torch.Tensor, got {getattr(cu_seqlens, 'dtype', type(cu_seqlens).__name__)}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
-        raise ValueError(f"cu_seqlens must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-    bounds = [int(b) for b in cu_seqlens.tolist()]
-    if bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must start at 0 and never decrease, got {bounds}")
-    return bounds
 
 
 def _is_token_tensor(shape) -> bool:
@@ -360,140 +346,17 @@ def _bin(grid: torch.Tensor, dim: int, most: int):
 
 
 # --------------------------------------------------------------------------------------------
-# Formatting
-
-
-def _num(x, fmt="{:.2e}") -> str:
-    if x is None:
-        return "-"
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    return fmt.format(x)
-
-
-def _table(header, rows, indent="  ") -> list[str]:
-    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows)]
-    fmt = lambda cells: indent + "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return [fmt(header)] + [fmt(r) for r in rows]
+# The failure message
 
 
 def _failure_message(name, results, failed) -> str:
     rows = []
     for r in failed:
-        err = _num(r["error"])
+        err = format_number(r["error"])
         where = r.get("worst_text") or ""
         if r["problem"]:
             where = f"{r['problem']}" + (f"; {where}" if where else "")
-        rows.append([r["tensor"], err, _num(r["rtol"]), _num(r.get("max_abs_diff")), where])
+        rows.append([r["tensor"], err, format_number(r["rtol"]), format_number(r.get("max_abs_diff")), where])
     head = f"parity failed for {name}: {len(failed)} of {len(results)} tensor(s) off (relative Frobenius error)"
-    lines = [head] + _table(["tensor", "error", "rtol", "max|diff|", "worst element"], rows)
+    lines = [head] + format_table(["tensor", "error", "rtol", "max|diff|", "worst element"], rows)
     return "\n".join(lines)
-
-
-def _shorten(text: str, width: int) -> str:
-    return text if len(text) <= width else "…" + text[-(width - 1):]
-
-
-def _label(rec) -> str:
-    # A dict's rows are named by key; the comparison's name tells apart, say, rank 0 from rank 1.
-    group = rec.get("group")
-    return rec["tensor"] if not group or group in ("output", rec["tensor"]) else f"{group}: {rec['tensor']}"
-
-
-def format_summary(records, max_rows: int = 12) -> str:
-    """A plain table of the checks, worst margin (rtol / error) first; failures always listed
-    first, passing checks cut to `max_rows` rows in all. Empty string when there are none."""
-    records = list(records)
-    if not records:
-        return ""
-    order = sorted(records, key=lambda r: (r["passed"], r["margin"] if not math.isnan(r["margin"]) else 0.0))
-    n_fail = sum(not r["passed"] for r in records)
-    shown = order[:max(max_rows, n_fail)]
-    rows = [[_shorten(str(r["test"]), 60), _label(r), _num(r["error"]), _num(r["rtol"]),
-             _num(r["margin"], "{:.3g}"), "ok" if r["passed"] else "FAIL"] for r in shown]
-    lines = [f"linattn parity: {len(records)} check(s), {n_fail} failed; worst margin (rtol/error) first"]
-    lines += _table(["test", "tensor", "error", "rtol", "margin", ""], rows)
-    if len(order) > len(shown):
-        rest = order[len(shown):]
-        lines.append(f"  ... {len(rest)} more passing check(s), margin >= {_num(rest[0]['margin'], '{:.3g}')}")
-    return "\n".join(lines)
-
-
-# --------------------------------------------------------------------------------------------
-# Report files
-
-
-def _jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)  # strict JSON has no NaN/Infinity
-    if isinstance(x, Mapping):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
-    return x
-
-
-def _safe_name(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", text).strip("_.")[:120] or "unnamed"
-
-
-def write_report(records, directory, notes: list | None = None) -> list[Path]:
-    """Write `parity.json` (every record) and one PNG error heatmap per failure that has an
-    error map, named `<test>__<comparison: tensor>.png` (sanitised). Returns the paths written.
-
-    matplotlib is optional (the plugin runs in other projects' test runs, the JSON holds the
-    same maps): without it no PNG is drawn, and one line saying so is appended to `notes`."""
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    records = list(records)
-    json_path = directory / "parity.json"
-    json_path.write_text(json.dumps(_jsonable(records), indent=1))
-    written, used = [json_path], set()
-    failures = [rec for rec in records if not rec["passed"] and "map" in rec]
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        if failures and notes is not None:
-            notes.append(f"no PNG: matplotlib is not installed ({len(failures)} error map(s) are in {json_path})")
-        return written
-    for rec in failures:
-        stem = f"{_safe_name(str(rec['test']))}__{_safe_name(_label(rec))}"
-        name, n = stem, 1
-        while name in used:
-            n += 1
-            name = f"{stem}-{n}"
-        used.add(name)
-        written.append(_heatmap(rec, directory / f"{name}.png"))
-    return written
-
-
-def _heatmap(rec: dict, path: Path) -> Path:
-    # Figure without pyplot: no global backend switch, renders with Agg.
-    import matplotlib
-    import numpy as np
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-    from matplotlib.ticker import MaxNLocator
-
-    grid = np.array(rec["map"], dtype=float)
-    xb, yb = rec["map_x_bin"], rec["map_y_bin"]
-    fig = Figure(figsize=(10, 3 + min(grid.shape[0], 32) * 0.12))
-    FigureCanvasAgg(fig)
-    ax = fig.add_subplot()
-    extent = (0, grid.shape[1] * xb, 0, grid.shape[0] * yb)
-    im = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", origin="lower", interpolation="nearest",
-                   extent=extent, cmap=matplotlib.colormaps["magma"].with_extremes(bad="cyan"))  # cyan: NaN/Inf
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
-    for b in rec.get("cu_seqlens", [])[1:-1]:
-        ax.axvline(b, color="white", lw=0.6, ls="--")
-    for b in rec.get("shard_edges", []):
-        ax.axvline(b, color="lime", lw=0.8)
-    marks = (["dashed: sequence starts"] if len(rec.get("cu_seqlens", [])) > 2 else []) + (
-        [f"green: shard edges ({', '.join(rec['shard_ranks'])})"] if rec.get("shard_edges") else [])
-    ax.set_xlabel(rec["map_x"] + (f" (bins of {xb})" if xb > 1 else "") + (f"; {'; '.join(marks)}" if marks else ""))
-    ax.set_ylabel(rec["map_y"] + (f" (bins of {yb})" if yb > 1 else ""))
-    ax.set_title(f"{rec['test']} :: {_label(rec)}  error {_num(rec['error'])}  rtol {_num(rec['rtol'])}"
-                 + (f"  worst: {rec['worst_text']}" if rec.get("worst_text") else ""), fontsize=8)
-    fig.colorbar(im, ax=ax, label="error contribution")
-    fig.savefig(path, dpi=100, bbox_inches="tight")
-    return path

@@ -4,21 +4,12 @@ Loading (any one; they do not clash): the installed pytest11 entry point, ``pyte
 pytest_linattn``, or ``pytest_plugins = ["pytest_linattn"]`` in a conftest. ``-p no:pytest_linattn``
 turns it off.
 
-Options (each also an ini key; the command line wins, then a value a conftest put in
-``config.option.<dest>``, then the ini key, then the default):
-
-    --tp SIZES              linattn_tp       one size or a comma list (``--tp 4``, ``--tp 2,4``); default 2
-    --cp SIZES              linattn_cp       same for context parallel; default 2
-    --linattn-device D      linattn_device   cpu | cuda | auto (cuda when a GPU is visible); default auto
-    --linattn-timeout S     linattn_timeout  seconds per distributed call; default 300
-    --linattn-report DIR    linattn_report   write the parity report (JSON + heatmaps) there
-    --linattn-fla-on-cpu    linattn_fla_on_cpu   on | off: the fla_on_cpu fixture in every test; default off
-    --linattn-autotune M    linattn_autotune shipped | first | search: Triton's config search on CUDA
-                            (pytest_linattn.autotune); default shipped, i.e. no search
-
-``config.option.tp`` / ``cp`` / ``linattn_device`` / ``linattn_timeout`` are None unless given on
-the command line, so a conftest's pytest_configure may set suite defaults; they are read at
-collection, not at configure.
+Options: one table, ``pytest_linattn.options.OPTIONS`` (``pytest --help`` shows it): ``--tp``,
+``--cp``, ``--linattn-device``, ``--linattn-timeout``, ``--linattn-report``, ``--linattn-fla-on-cpu``,
+``--linattn-autotune``, each also an ini key (``linattn_tp``, ...). A value is the command line's,
+else one a conftest put in ``config.option.<dest>`` (None unless given on the command line, so a
+conftest's pytest_configure may set suite defaults), else the ini key's, else the default; it is
+read where it is used (collection, spawn), not at configure.
 
 Fixtures:
 
@@ -43,122 +34,47 @@ Markers: ``world_size(n)`` (the ranks a test needs: skipped on cuda without n GP
 ``gpus(n)`` (skipped when the machine, or the run's device choice, has fewer than n GPUs),
 ``suite(name)`` (the test's home suite), ``tp_sizes(*sizes)``, ``cp_sizes(*sizes)``.
 
-The logic lives in plain modules (pool, gpus, options, parity, seqlens, float64); this module
-only wires them into pytest.
+The logic lives in plain modules (options, size_selection, pool, gpus, parity, seqlens, float64)
+and the parity records in one plugin object, ``parity_records.ParityRecorder``; this module only
+wires them into pytest.
 """
 from __future__ import annotations
 
-import argparse
-import math
 import os
 import sys
 
 import pytest
 
 from . import options as _opts
+from . import size_selection
+from .parity_records import ParityRecorder
+from .size_selection import SIZE_FIXTURES
 
 _STATE = pytest.StashKey["_State"]()
-
-# name -> (flag, config.option dest, ini key, parser)
-_OPTIONS = {
-    "tp": ("--tp", "tp", "linattn_tp", _opts.parse_sizes),
-    "cp": ("--cp", "cp", "linattn_cp", _opts.parse_sizes),
-    "device": ("--linattn-device", "linattn_device", "linattn_device", _opts.parse_device),
-    "timeout": ("--linattn-timeout", "linattn_timeout", "linattn_timeout", _opts.parse_timeout),
-    "fla_on_cpu": ("--linattn-fla-on-cpu", "linattn_fla_on_cpu", "linattn_fla_on_cpu", _opts.parse_switch),
-    "autotune": ("--linattn-autotune", "linattn_autotune", "linattn_autotune", _opts.parse_autotune),
-}
-_SIZE_FIXTURES = {"tp_size": ("tp", "tp_sizes"), "cp_size": ("cp", "cp_sizes")}
-
-
-def _argtype(parse, flag):
-    # Validates at parse time (a bad value is a usage error) but keeps the string as given.
-    def check(value):
-        try:
-            parse(value, flag)
-        except ValueError as exc:
-            # argparse already names the option.
-            raise argparse.ArgumentTypeError(str(exc).removeprefix(f"{flag}: ")) from None
-        return value
-
-    check.__name__ = flag.lstrip("-")
-    return check
 
 
 def pytest_addoption(parser):
     group = parser.getgroup("linattn", "linear-attention distributed tests (pytest-linattn)")
-    group.addoption("--tp", dest="tp", default=None, metavar="SIZES",
-                    type=_argtype(_opts.parse_sizes, "--tp"),
-                    help="tensor-parallel sizes to run tp_size tests at: one size or a comma "
-                         "list, e.g. 4 or 2,4 (ini: linattn_tp; default 2)")
-    group.addoption("--cp", dest="cp", default=None, metavar="SIZES",
-                    type=_argtype(_opts.parse_sizes, "--cp"),
-                    help="context-parallel sizes to run cp_size tests at (ini: linattn_cp; default 2)")
-    group.addoption("--linattn-device", dest="linattn_device", default=None,
-                    choices=list(_opts.DEVICES),
-                    help="where spawn's ranks run: cpu (gloo), cuda (NCCL) or auto "
-                         "(ini: linattn_device; default auto)")
-    group.addoption("--linattn-timeout", dest="linattn_timeout", default=None, metavar="SECONDS",
-                    type=_argtype(_opts.parse_timeout, "--linattn-timeout"),
-                    help="timeout of one distributed call, in seconds (ini: linattn_timeout; "
-                         "default 300)")
-    group.addoption("--linattn-fla-on-cpu", dest="linattn_fla_on_cpu", default=None,
-                    type=_argtype(_opts.parse_switch, "--linattn-fla-on-cpu"), metavar="on|off",
-                    nargs="?", const="on",
-                    help="run fla's linear-attention ops on linattn's float64 references in every "
-                         "test and rank, so fla-based layers run on a CPU (ini: "
-                         "linattn_fla_on_cpu; default off)")
-    group.addoption("--linattn-autotune", dest="linattn_autotune", default=None, metavar="MODE",
-                    type=_argtype(_opts.parse_autotune, "--linattn-autotune"),
-                    help="Triton's config search on CUDA runs (test process and ranks): shipped "
-                         "(the project's fla configs for this GPU, else each kernel's first config, "
-                         "nothing timed), first (first config only) or search (Triton's autotune) "
-                         "(ini: linattn_autotune; default shipped)")
-    group.addoption("--linattn-report", dest="linattn_report", default=None, metavar="DIR",
-                    help="write the parity report (JSON and error heatmaps) to DIR "
-                         "(ini: linattn_report)")
-    parser.addini("linattn_tp", "default for --tp", default="")
-    parser.addini("linattn_cp", "default for --cp", default="")
-    parser.addini("linattn_device", "default for --linattn-device", default="")
-    parser.addini("linattn_timeout", "default for --linattn-timeout", default="")
-    parser.addini("linattn_report", "default for --linattn-report", default="")
-    parser.addini("linattn_fla_on_cpu", "default for --linattn-fla-on-cpu (on/off)", default="")
-    parser.addini("linattn_autotune", "default for --linattn-autotune (shipped/first/search)", default="")
+    for option in _opts.OPTIONS.values():
+        group.addoption(option.flag, **option.flag_arguments())
+        parser.addini(option.ini, option.description, default="")
 
 
-def _raw(config, key):
-    flag, dest, ini, _ = _OPTIONS[key]
-    value = getattr(config.option, dest, None)
-    if value is not None:
-        return value, flag
-    value = config.getini(ini)
-    if value not in (None, ""):
-        return value, ini
-    return _opts.DEFAULTS[key], flag
-
-
-def _value(config, key):
+def option_value(config, key):
     """The option's parsed value, read now (a conftest may have changed it since configure)."""
-    value, source = _raw(config, key)
     try:
-        return _OPTIONS[key][3](value, source)
+        return _opts.read_value(config, key)
     except ValueError as exc:
         raise pytest.UsageError(str(exc)) from None
 
 
 class _State:
+    """The session's resources: rank pools, the torchrun launcher, the autotune plan."""
+
     def __init__(self, config):
         self.config = config
         self.manager = None
-        self.report_paths = []
-        self.report_notes = []  # lines about the report (a PNG not drawn), printed in the summary
         self.is_worker = hasattr(config, "workerinput")
-        # Where this session's records begin: an in-process nested run (pytester) shares the
-        # module-level lists with the outer one, and each must summarise only its own checks.
-        parity = _parity_module()
-        self.records_start = len(parity.RECORDS) if parity is not None else 0
-        self.sent = self.records_start
-        self.controller_start = len(_CONTROLLER_RECORDS)
         self.autotune = None  # the applied pytest_linattn.autotune plan; None until session start
         self.launcher = None  # pytest_linattn.launcher.LauncherSession under torchrun
         self.size_notes = []  # lines for the terminal summary: sizes asked for but not run
@@ -167,7 +83,7 @@ class _State:
         if self.manager is None:
             from .pool import PoolManager
 
-            self.manager = PoolManager(_value(self.config, "device"))
+            self.manager = PoolManager(option_value(self.config, "device"))
         return self.manager
 
     def close(self):
@@ -191,13 +107,13 @@ class _State:
         if self.autotune is None and self.runs_on_cuda():
             from . import autotune
 
-            self.autotune = autotune.apply(_value(self.config, "autotune"))
+            self.autotune = autotune.apply(option_value(self.config, "autotune"))
         return self.autotune
 
     def runs_on_cuda(self):
         from .pool import resolve_device  # auto: cuda when a GPU is visible
 
-        return resolve_device(_value(self.config, "device")) == "cuda"
+        return resolve_device(option_value(self.config, "device")) == "cuda"
 
 
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
@@ -211,6 +127,7 @@ def pytest_configure(config):
     ):
         config.addinivalue_line("markers", line)
     state = config.stash[_STATE] = _State(config)
+    config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
     from .launcher import launcher_world_size
 
     world_size = launcher_world_size()
@@ -242,8 +159,8 @@ def _start_launcher_mode(config, state, world_size):
 @pytest.hookimpl(trylast=True)
 def pytest_sessionstart(session):
     # Fail early on bad ini values too (command-line values were checked by argparse).
-    for key in _OPTIONS:
-        _value(session.config, key)
+    for key in _opts.OPTIONS:
+        option_value(session.config, key)
     session.config.stash[_STATE].apply_autotune()
 
 
@@ -263,22 +180,6 @@ def pytest_unconfigure(config):
 # tp_size / cp_size parametrization
 
 
-def _marker_sizes(marker, name):
-    sizes = marker.args[0] if len(marker.args) == 1 and isinstance(marker.args[0], (list, tuple)) \
-        else marker.args
-    return _opts.parse_sizes(list(sizes), f"@pytest.mark.{name}")
-
-
-def _parametrized_by_marker(metafunc, argname) -> bool:
-    for marker in metafunc.definition.iter_markers("parametrize"):
-        names = marker.args[0] if marker.args else marker.kwargs.get("argnames", ())
-        if isinstance(names, str):
-            names = [n.strip() for n in names.split(",")]
-        if argname in names:
-            return True
-    return False
-
-
 def _is_ours(metafunc, argname) -> bool:
     # A project may define its own tp_size fixture: then it decides, not us.
     defs = getattr(metafunc, "_arg2fixturedefs", {}).get(argname)
@@ -289,71 +190,30 @@ def _is_ours(metafunc, argname) -> bool:
 
 
 def pytest_generate_tests(metafunc):
-    for argname, (key, marker_name) in _SIZE_FIXTURES.items():
+    for argname, (key, marker_name) in SIZE_FIXTURES.items():
         if argname not in metafunc.fixturenames or not _is_ours(metafunc, argname):
             continue
-        if _parametrized_by_marker(metafunc, argname):
+        if size_selection.parametrized_by_marker(metafunc.definition, argname):
             continue  # the test's own list; sizes not asked for are deselected later
         marker = metafunc.definition.get_closest_marker(marker_name)
-        sizes = _marker_sizes(marker, marker_name) if marker else _value(metafunc.config, key)
+        sizes = size_selection.marker_sizes(marker) if marker else option_value(metafunc.config, key)
         metafunc.parametrize(argname, sizes, indirect=True, ids=[f"{key}{n}" for n in sizes])
 
 
 def pytest_collection_modifyitems(config, items):
-    wanted = {argname: _value(config, key) for argname, (key, _) in _SIZE_FIXTURES.items()}
+    wanted = {argname: option_value(config, key) for argname, (key, _) in SIZE_FIXTURES.items()}
     state = config.stash[_STATE]
-    state.size_notes = _unsupported_sizes(items, wanted)
     launched = state.launcher.world_size if state.launcher is not None else None
-    kept, deselected, unfit = [], [], []
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        sizes = [params[argname] for argname in _SIZE_FIXTURES if argname in params]
-        if any(argname in params and params[argname] not in asked
-               for argname, asked in wanted.items()):
-            deselected.append(item)
-        elif launched is not None and sizes and math.prod(sizes) != launched:
-            # Under torchrun the ranks are the launcher's: a test runs at tp x cp = WORLD_SIZE.
-            unfit.append(item.nodeid)
-            deselected.append(item)
-        else:
-            kept.append(item)
-    if unfit:
-        state.size_notes.append(
-            f"{len(unfit)} test(s) deselected: under torchrun a test runs only where "
-            f"tp_size x cp_size = WORLD_SIZE={launched}: " + ", ".join(unfit))
+    kept, deselected, state.size_notes = size_selection.select(items, wanted, launched)
     if deselected:
         config.hook.pytest_deselected(items=deselected)
         items[:] = kept
 
 
-def _unsupported_sizes(items, wanted) -> list[str]:
-    """One line per test that does not support a size the run asked for (its marker or
-    parametrize list lacks it), so a size asked for is never dropped without a word."""
-    supported: dict[str, dict[str, set]] = {}
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        test = item.nodeid.split("[", 1)[0]
-        for argname in _SIZE_FIXTURES:
-            if argname in params:
-                supported.setdefault(test, {}).setdefault(argname, set()).add(params[argname])
-    notes = []
-    for test, by_arg in supported.items():
-        parts = []
-        for argname, sizes in by_arg.items():
-            key = _SIZE_FIXTURES[argname][0]
-            missing = [n for n in wanted[argname] if n not in sizes]
-            if missing:
-                parts.append(f"{key} {', '.join(map(str, missing))} asked for; the test supports "
-                             f"{key} {', '.join(map(str, sorted(sizes)))}")
-        if parts:
-            notes.append(f"{test}: not run at " + "; ".join(parts))
-    return notes
-
-
 def _size_fixture(request, key):
     if hasattr(request, "param"):
         return request.param
-    return _value(request.config, key)[0]
+    return option_value(request.config, key)[0]
 
 
 @pytest.fixture
@@ -381,18 +241,15 @@ def _marker_int(marker) -> int:
 
 def _skip(reason):
     __tracebackhide__ = True
-    try:
-        # Reported at the test's location, as a skip mark would be, not at this line.
-        raise pytest.skip.Exception(reason, _use_item_location=True)
-    except TypeError:  # pragma: no cover - older pytest
-        pytest.skip(reason)
+    # Reported at the test's location, as a skip mark would be, not at this line.
+    raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 def pytest_runtest_setup(item):
     gpus = item.get_closest_marker("gpus")
     world = item.get_closest_marker("world_size")
     if gpus is not None or world is not None:
-        device = _value(item.config, "device")
+        device = option_value(item.config, "device")
         if gpus is not None and device == "cpu":
             _skip(f"needs {_marker_int(gpus)} GPU(s); this run uses --linattn-device cpu")
         if device != "cpu":
@@ -406,7 +263,6 @@ def pytest_runtest_setup(item):
             if world is not None and (device == "cuda" or have > 0) and have < _marker_int(world):
                 _skip(f"needs {_marker_int(world)} GPU(s) (world_size({_marker_int(world)})); "
                       f"this machine has {have}")
-    _set_parity_test(item.nodeid)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -424,40 +280,25 @@ class Spawn:
     def __call__(self, fn, world_size, *args, **kwargs):
         __tracebackhide__ = True
         from . import pool
+        from .launcher import BrokenGroup
 
-        device = _value(self._state.config, "device")
+        state = self._state
         try:
-            if self._state.launcher is not None:
-                return self._in_launcher(fn, world_size, args, kwargs, pool.resolve_device(device))
-            if pool.launcher_world_size() is not None:  # WORLD_SIZE set in an xdist worker
-                return pool.run_in_launcher(fn, world_size, args, kwargs,
-                                            device=pool.resolve_device(device),
-                                            timeout=self.timeout)
-            return self._state.pools().run(fn, world_size, args, kwargs, timeout=self.timeout,
-                                           fla_on_cpu=_active_fla_emulation())
+            return pool.run_on_ranks(fn, world_size, args, kwargs, device=option_value(state.config, "device"),
+                                     timeout=self.timeout, pools=state.pools, launcher=state.launcher,
+                                     fla_on_cpu=_active_fla_emulation(),
+                                     test=getattr(self._item, "nodeid", ""))
         except pool.NotEnoughGpus as exc:
             pytest.skip(f"spawn(world_size={world_size}): {exc}")
         except pool.RankFailure as exc:
-            # Re-raised here so the report ends at the test's call, not inside the pool.
-            raise type(exc)(str(exc)) from None
-
-
-    def _in_launcher(self, fn, world_size, args, kwargs, device):
-        __tracebackhide__ = True
-        from .launcher import BrokenGroup
-
-        try:
-            return self._state.launcher.run(fn, world_size, args, kwargs, device=device,
-                                            timeout=self.timeout,
-                                            test=getattr(self._item, "nodeid", ""))
-        except BrokenGroup:
-            if self._item is not None:
+            if isinstance(exc, BrokenGroup) and state.launcher is not None and self._item is not None:
                 # A collective was left half done: every later distributed test would fail or
                 # hang on this group, so the session stops after this test, on every rank.
                 self._item.session.shouldfail = (
                     f"linattn: the process group is broken after a failure in "
                     f"{self._item.nodeid}; the session stops (see that test's report)")
-            raise
+            # Re-raised here so the report ends at the test's call, not inside the pool.
+            raise type(exc)(str(exc)) from None
 
 
 def _active_fla_emulation():
@@ -471,7 +312,7 @@ def _active_fla_emulation():
 def spawn(request) -> Spawn:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with torch.distributed initialised;
     returns the ranks' return values in rank order, tensors moved to CPU."""
-    return Spawn(request.config.stash[_STATE], _value(request.config, "timeout"), request.node)
+    return Spawn(request.config.stash[_STATE], option_value(request.config, "timeout"), request.node)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -493,7 +334,7 @@ def fla_on_cpu():
 
 @pytest.fixture(autouse=True)
 def _fla_on_cpu_for_the_run(request):
-    if not _value(request.config, "fla_on_cpu"):
+    if not option_value(request.config, "fla_on_cpu"):
         yield
         return
     request.getfixturevalue("fla_on_cpu")
@@ -501,7 +342,7 @@ def _fla_on_cpu_for_the_run(request):
 
 
 # ----------------------------------------------------------------------------------------------
-# parity, packed sequences, float64 references
+# packed sequences, float64 references
 
 
 @pytest.fixture
@@ -521,93 +362,6 @@ def float64_reference():
     return fn
 
 
-def _parity_module():
-    # Only when a test imported it: the plugin stays cheap for runs that never compare tensors.
-    return sys.modules.get("pytest_linattn.parity")
-
-
-def _set_parity_test(nodeid):
-    parity = _parity_module()
-    if parity is not None:
-        parity.set_current_test(nodeid)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_call(item):
-    _set_parity_test(item.nodeid)
-    return (yield)
-
-
-def _plain(obj):
-    # Records cross to the xdist controller through execnet: plain data only.
-    if isinstance(obj, dict):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if obj is None or isinstance(obj, (bool, int, float, str)):
-        return obj
-    tolist = getattr(obj, "tolist", None)
-    if callable(tolist):
-        return _plain(tolist())
-    return str(obj)
-
-
-@pytest.hookimpl(wrapper=True)
-def pytest_runtest_makereport(item, call):
-    report = yield
-    state = item.config.stash.get(_STATE, None)
-    parity = _parity_module()
-    if state is not None and state.is_worker and parity is not None:
-        new = parity.RECORDS[state.sent:]
-        state.sent = len(parity.RECORDS)
-        if new:
-            report.linattn_parity = _plain(new)
-    if call.when == "teardown" and parity is not None:
-        parity.set_current_test(None)
-    return report
-
-
-def pytest_runtest_logreport(report):
-    records = getattr(report, "linattn_parity", None)
-    if records:
-        # Only xdist workers attach records, so only the controller gets here.
-        _CONTROLLER_RECORDS.extend(records)
-
-
-# Records sent by xdist workers (the logreport hook gets no config to hang them on).
-_CONTROLLER_RECORDS: list[dict] = []
-
-
-def _all_records(config) -> list[dict]:
-    state = config.stash.get(_STATE, None)
-    if state is not None and state.is_worker:
-        return []
-    parity = _parity_module()
-    local = parity.RECORDS[state.records_start:] if parity is not None else []
-    # In a worker-less run the logreport hook never sees linattn_parity (only workers set it).
-    return _CONTROLLER_RECORDS[state.controller_start:] + local
-
-
-def _report_dir(config):
-    value = config.option.linattn_report or config.getini("linattn_report")
-    return value or None
-
-
-def pytest_sessionfinish(session):
-    config = session.config
-    state = config.stash.get(_STATE, None)
-    directory = _report_dir(config)
-    if state is None or state.is_worker or not directory:
-        return
-    records = _all_records(config)
-    from . import parity  # needed for the writer even when no test compared anything
-
-    try:
-        state.report_paths = parity.write_report(records, directory, notes=state.report_notes)
-    except Exception as exc:  # noqa: BLE001 - a report file must never hide the test failures
-        state.report_notes.append(f"linattn report not written: {exc!r}")
-
-
 def pytest_terminal_summary(terminalreporter, config):
     state = config.stash.get(_STATE, None)
     if state is None or state.is_worker:
@@ -617,16 +371,4 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("=", "linattn sizes not run")
         for line in state.size_notes:
             terminalreporter.write_line(line)
-    records = _all_records(config)
-    if records:
-        from . import parity
-
-        text = parity.format_summary(records)
-        if text:
-            terminalreporter.write_sep("=", "linattn parity")
-            terminalreporter.write_line(text)
-    if state.report_paths:
-        terminalreporter.write_line(f"linattn report: {len(state.report_paths)} file(s) in "
-                                    f"{os.path.dirname(str(state.report_paths[0]))}")
-    for note in state.report_notes:
-        terminalreporter.write_line(note)
+    # The parity table and the report's lines follow: ParityRecorder's summary.

@@ -23,7 +23,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from pytest_linattn.pool import set_parent_death_signal
+from pytest_linattn.gpus import gpu_count as visible_gpu_count
+from pytest_linattn.rank_worker import set_parent_death_signal
 from pytest_linattn.suites import Suite, SuiteConfigError, find_root, load_suites
 
 COMMAND = "/rerun-test"
@@ -122,16 +123,9 @@ def gpu_count() -> int:
     env = os.environ.get(GPU_COUNT_ENV)
     if env is not None:
         return int(env)
-    try:  # the plugin's count (CUDA_VISIBLE_DEVICES-aware), so the rerun and gpus(n) agree
-        from pytest_linattn.gpus import gpu_count as visible
-    except ImportError:
-        try:
-            import torch
-        except ImportError:
-            return 0
-        visible = torch.cuda.device_count
-    # Neither creates a CUDA context here; only the pytest children use the GPUs.
-    return int(visible())
+    # The plugin's count (CUDA_VISIBLE_DEVICES-aware), so the rerun and gpus(n) agree; it creates
+    # no CUDA context here: only the pytest children use the GPUs.
+    return visible_gpu_count()
 
 
 def check_resources(groups: dict[str, list[str]], suites: dict[str, Suite], gpus: int | None = None) -> list[str]:

@@ -13,9 +13,9 @@ implementation gets wrong (checked by `describe`):
   cp_size 2 and 3 the default keeps the spanning sequence (3 shards for cp 3, 2 for cp 2) and
   `edge_boundary=True` trades it for the edge boundary (cp 3 then spans 2 shards, cp 2 none).
   For cp_size >= 4 both are always there.
-- zigzag layout (each sequence cut into 2·cp_size equal chunks, rank r holding chunks r and
-  2·cp_size−1−r): every length is a multiple of 2·cp_size, so min_len rounds up to one and the
-  shortest possible sequence (one token per chunk) is included when min_len <= 2·cp_size.
+- zigzag layout (defined in linattn.parallel.cp.layout): every length is a multiple of
+  2·cp_size, so min_len rounds up to one and the shortest possible sequence (one token per
+  chunk) is included when min_len <= 2·cp_size.
   A length-1 sequence is impossible there.
 
 Requests that cannot be met raise ValueError naming the parameter. `seed=None` means
@@ -26,6 +26,8 @@ from __future__ import annotations
 
 import numpy as np
 import torch
+
+from linattn.checks import validate_cu_seqlens
 
 DEFAULT_SEED = 20260
 LAYOUTS = ("contiguous", "zigzag")
@@ -206,6 +208,14 @@ def _fill(regions, rooms, n, m, rng):
     return bounds
 
 
+def cu_seqlens_bounds(cu_seqlens, name: str = "cu_seqlens") -> list[int]:
+    """The boundaries of a packing as ints, checked by `linattn.checks.validate_cu_seqlens`'s
+    rules; the end is not checked against a token count (a caller that knows one does)."""
+    packed = isinstance(cu_seqlens, torch.Tensor) and cu_seqlens.dim() == 1 and cu_seqlens.numel() > 0
+    ends_at = int(cu_seqlens[-1]) if packed and not cu_seqlens.is_complex() else 0
+    return validate_cu_seqlens(cu_seqlens, ends_at, name)
+
+
 def describe(cu_seqlens, cp_size: int = 1, layout: str = "contiguous") -> dict:
     """Which of the coverage properties a cu_seqlens has, for a given CP split.
 
@@ -217,9 +227,7 @@ def describe(cu_seqlens, cp_size: int = 1, layout: str = "contiguous") -> dict:
     cp_size = _positive_int(cp_size, "cp_size")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-    bounds = [int(b) for b in torch.as_tensor(cu_seqlens).reshape(-1).tolist()]
-    if len(bounds) < 2 or bounds[0] != 0 or any(b < a for a, b in zip(bounds, bounds[1:])):
-        raise ValueError(f"cu_seqlens must start at 0, never decrease and hold >= 2 entries, got {bounds}")
+    bounds = cu_seqlens_bounds(torch.as_tensor(cu_seqlens).reshape(-1))
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     T = bounds[-1]
     out = {"num_seqs": len(lengths), "total_tokens": T, "min_len": min(lengths), "max_len": max(lengths),

@@ -13,16 +13,9 @@ ranks by pickle-by-reference) and calls `assert_sharded_parity` (one layer, seve
 or `assert_parity_cases` (any list of `ParityCase`s). Placements whose world sizes match share
 one spawn call; a world larger than tp * cp holds data-parallel replicas, each checked.
 
-Ranks: global rank = tp_rank + tp * (cp_rank + cp * dp_rank) (Megatron's order, as
-`linattn.parallel.new_groups`); a client that makes its own groups must lay them out the same way.
-
-Token layout (computed here from this definition, not by the library under test, so a layout
-bug shared by a layer and its helpers still shows). T = cu_seqlens[-1]:
-    contiguous  CP rank r holds tokens [r*T/cp, (r+1)*T/cp)
-    zigzag      every sequence is cut into 2*cp equal chunks; CP rank r holds chunks r and
-                2*cp-1-r of each sequence, sequences in order
-    SP          the CP rank's tokens are cut again into tp contiguous slices; TP rank t holds
-                slice t. Without SP every TP rank holds its CP rank's tokens (each is checked).
+Ranks (Megatron's order) and the tokens each one holds (contiguous, zigzag, SP slices): the
+docstring of `pytest_linattn.placement`, which computes them itself so that a layout bug shared
+by a layer and its helpers still shows. What the ranks run: `pytest_linattn.sharded_parity_rank`.
 
 Gradient rule (the one place it is stated):
     TP-sharded parameters    each TP rank's gradient goes to the client's `unshard`, in TP rank
@@ -49,7 +42,10 @@ from collections.abc import Callable, Collection, Sequence
 
 import torch
 
-from .parity import _check_cu_seqlens, _check_rtol, assert_parity
+from .parity import assert_parity, check_rtol
+from .placement import (LAYOUTS, Placement, as_cu_seqlens, check_fits, default_process_groups, positive_int,
+                        rank_token_index)
+from .sharded_parity_rank import RankCase, run_cases_on_rank
 
 __all__ = [
     "LAYOUTS",
@@ -61,60 +57,6 @@ __all__ = [
     "default_process_groups",
     "rank_token_index",
 ]
-
-LAYOUTS = ("contiguous", "zigzag")
-
-
-def _positive_int(value, what: str) -> int:
-    __tracebackhide__ = True
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
-
-
-@dataclasses.dataclass(frozen=True)
-class Placement:
-    """Where a sharded layer runs: TP size, CP size and layout, sequence parallel on/off."""
-
-    tp: int = 1
-    cp: int = 1
-    cp_layout: str = "contiguous"
-    sequence_parallel: bool = False
-
-    def __post_init__(self):
-        _positive_int(self.tp, "Placement.tp")
-        _positive_int(self.cp, "Placement.cp")
-        if self.cp_layout not in LAYOUTS:
-            raise ValueError(f"Placement.cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
-        if not isinstance(self.sequence_parallel, bool):
-            raise ValueError(f"Placement.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
-        if self.sequence_parallel and self.tp == 1:
-            raise ValueError("Placement.sequence_parallel needs tp > 1 (SP splits tokens over the TP group)")
-
-    @property
-    def size(self) -> int:
-        """Ranks one copy of the layer spans: tp * cp."""
-        return self.tp * self.cp
-
-    @property
-    def name(self) -> str:
-        """`tp2-sp/cp2-zigzag`, `tp4`, `cp2-contiguous`; `replicated` for one rank."""
-        parts = []
-        if self.tp > 1:
-            parts.append(f"tp{self.tp}" + ("-sp" if self.sequence_parallel else ""))
-        if self.cp > 1:
-            parts.append(f"cp{self.cp}-{self.cp_layout}")
-        return "/".join(parts) or "replicated"
-
-    def __str__(self) -> str:
-        return self.name
-
-
-def default_process_groups(placement: Placement):
-    """(tp_group, cp_group) of this rank from `linattn.parallel.new_groups` (None for a size of 1)."""
-    from linattn.parallel import new_groups
-
-    return new_groups(placement.tp, placement.cp)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,54 +118,6 @@ class ShardedLayer:
             raise ValueError(f"ShardedLayer's callables must be module-level (spawn pickles them by reference): {exc}") from None
 
 
-def _as_cu_seqlens(cu_seqlens) -> torch.Tensor:
-    __tracebackhide__ = True
-    cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.as_tensor(cu_seqlens)
-    _check_cu_seqlens(cu)
-    return cu.to(torch.int32)
-
-
-def _check_layout(bounds: list[int], placement: Placement) -> None:
-    """ValueError unless the packing `bounds` can be laid out for `placement`."""
-    __tracebackhide__ = True
-    T, cp, tp = bounds[-1], placement.cp, placement.tp
-    if placement.cp_layout == "contiguous" and T % cp:
-        raise ValueError(f"cu_seqlens: contiguous CP needs the total token count divisible by cp: {T} % {cp} != 0")
-    if placement.cp_layout == "zigzag":
-        for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
-            if (end - start) % (2 * cp):
-                raise ValueError(f"cu_seqlens: zigzag CP needs every sequence length divisible by 2*cp={2 * cp}; "
-                                 f"sequence {i} has {end - start} tokens")
-    if placement.sequence_parallel and (T // cp) % tp:
-        raise ValueError(f"cu_seqlens: sequence parallel needs each CP rank's token count divisible by tp: "
-                         f"{T // cp} % {tp} != 0")
-
-
-def rank_token_index(cu_seqlens, placement: Placement, tp_rank: int = 0, cp_rank: int = 0) -> torch.Tensor:
-    """Global token indices (int64) that rank (tp_rank, cp_rank) holds, in its local order (the
-    module docstring's layout). ValueError when the packing does not fit the placement."""
-    cu = _as_cu_seqlens(cu_seqlens)
-    bounds = [int(b) for b in cu.tolist()]
-    _check_layout(bounds, placement)
-    tp, cp = placement.tp, placement.cp
-    if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp and isinstance(cp_rank, int) and 0 <= cp_rank < cp):
-        raise ValueError(f"rank_token_index: tp_rank must be in [0, {tp}) and cp_rank in [0, {cp}), got {tp_rank!r}, {cp_rank!r}")
-    if placement.cp_layout == "contiguous":
-        n = bounds[-1] // cp
-        index = torch.arange(cp_rank * n, (cp_rank + 1) * n)
-    else:
-        pieces = [torch.zeros(0, dtype=torch.int64)]
-        for start, end in zip(bounds, bounds[1:]):
-            chunk = (end - start) // (2 * cp)
-            for c in (cp_rank, 2 * cp - 1 - cp_rank):
-                pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
-        index = torch.cat(pieces)
-    if placement.sequence_parallel:
-        n = index.numel() // tp
-        index = index[tp_rank * n:(tp_rank + 1) * n]
-    return index
-
-
 @dataclasses.dataclass(frozen=True, eq=False)
 class ParityCase:
     """One placement of one sharded layer on one packed batch, and the replicated layer it must match.
@@ -257,8 +151,8 @@ class ParityCase:
             raise ValueError(f"ParityCase.reference must be a torch.nn.Module, got {type(self.reference).__name__}")
         if not isinstance(self.dtype, torch.dtype):
             raise ValueError(f"ParityCase.dtype must be a torch.dtype, got {self.dtype!r}")
-        object.__setattr__(self, "rtol", _check_rtol(self.rtol))
-        cu = _as_cu_seqlens(self.cu_seqlens)
+        object.__setattr__(self, "rtol", check_rtol(self.rtol))
+        cu = as_cu_seqlens(self.cu_seqlens)
         object.__setattr__(self, "cu_seqlens", cu)
         T = int(cu[-1])
         for field in ("x", "dy"):
@@ -268,7 +162,7 @@ class ParityCase:
                                  f"got {getattr(t, 'shape', type(t).__name__)}")
         if self.dy.shape != self.x.shape:
             raise ValueError(f"ParityCase.dy must have x's shape {tuple(self.x.shape)}, got {tuple(self.dy.shape)}")
-        _check_layout([int(b) for b in cu.tolist()], self.placement)
+        check_fits([int(b) for b in cu.tolist()], self.placement)
         if not self.name:
             object.__setattr__(self, "name", self.placement.name)
 
@@ -288,8 +182,8 @@ def assert_sharded_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module
     all-reduce gives that); False compares them to rtol.
     """
     __tracebackhide__ = True
-    cu = _as_cu_seqlens(cu_seqlens)
-    _positive_int(hidden_size, "hidden_size")
+    cu = as_cu_seqlens(cu_seqlens)
+    positive_int(hidden_size, "hidden_size")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     placements = list(placements)
@@ -313,7 +207,7 @@ def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int |
     if not cases or not all(isinstance(c, ParityCase) for c in cases):
         raise ValueError("cases must be a non-empty sequence of ParityCase")
     if world_size is not None:
-        _positive_int(world_size, "world_size")
+        positive_int(world_size, "world_size")
         for c in cases:
             if world_size % c.placement.size:
                 raise ValueError(f"world_size {world_size} must be a multiple of tp * cp = {c.placement.size} "
@@ -324,7 +218,7 @@ def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int |
     runs: dict[tuple, tuple] = {}
     references = [_reference_run(c, runs) for c in cases]  # before spawn: a bad reference fails fast
     for world, indices in batches.items():
-        per_rank = spawn(run_cases_on_rank, world, [_RankCase.of(cases[i]) for i in indices])
+        per_rank = spawn(run_cases_on_rank, world, [RankCase.of(cases[i]) for i in indices])
         for j, i in enumerate(indices):
             _check_case(cases[i], [r[j] for r in per_rank], references[i], bitwise_replicated)
 
@@ -463,75 +357,3 @@ def _check_replicated(label, name, grads, where, rtol, bitwise):
 def _sum_over_cp(grads):
     present = [g.double() for g in grads if g is not None]
     return torch.stack(present).sum(0) if present else None
-
-
-# ----------------------------------------------------------------------------------------------
-# the ranks
-
-
-@dataclasses.dataclass(frozen=True)
-class _RankCase:
-    """What a rank needs of a ParityCase (the reference stays in the test process)."""
-
-    layer: ShardedLayer
-    placement: Placement
-    weights: dict
-    cu_seqlens: torch.Tensor
-    x: torch.Tensor
-    dy: torch.Tensor
-    dtype: torch.dtype
-
-    @classmethod
-    def of(cls, case: ParityCase) -> _RankCase:
-        weights = {n: p.detach() for n, p in case.reference.named_parameters()}
-        return cls(case.layer, case.placement, weights, case.cu_seqlens, case.x, case.dy, case.dtype)
-
-
-def run_cases_on_rank(cases: Sequence[_RankCase]):
-    """Rank function (for spawn): this rank's (y, dx, parameter grads) of every case.
-
-    Cases run grouped by (process_groups, tp, cp), in first-appearance order, so a client with
-    global parallel state initialises it once per group of cases."""
-    import torch.distributed as dist
-
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    order: dict[tuple, list[int]] = {}
-    for i, c in enumerate(cases):
-        order.setdefault((c.layer.process_groups, c.placement.tp, c.placement.cp), []).append(i)
-    results = [None] * len(cases)
-    for (make_groups, _, _), indices in order.items():
-        groups = make_groups(cases[indices[0]].placement)
-        for i in indices:
-            results[i] = _run_case(cases[i], groups, rank, device)
-    return results
-
-
-def _load(module: torch.nn.Module, local: dict) -> None:
-    params = dict(module.named_parameters())
-    missing, unexpected = sorted(params.keys() - local.keys()), sorted(local.keys() - params.keys())
-    if missing or unexpected:
-        raise ValueError(f"ShardedLayer.shard must return exactly the built module's parameters: "
-                         f"missing {missing}, unexpected {unexpected}")
-    with torch.no_grad():
-        for n, param in params.items():
-            if tuple(local[n].shape) != tuple(param.shape):
-                raise ValueError(f"ShardedLayer.shard gave {n} shape {tuple(local[n].shape)}; "
-                                 f"the built module's parameter has {tuple(param.shape)}")
-            param.copy_(local[n])
-
-
-def _run_case(case: _RankCase, groups, rank: int, device):
-    p = case.placement
-    tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
-    module = case.layer.build(p, groups, case.dtype, device)
-    _load(module, case.layer.shard(case.weights, p, tp_rank))
-    index = rank_token_index(case.cu_seqlens, p, tp_rank, cp_rank)
-    x = case.x[:, index].to(device, case.dtype).requires_grad_()
-    dy = case.dy[:, index].to(device, case.dtype)
-    cu = case.cu_seqlens.to(device)
-    y = case.layer.forward(module, x, cu, p) if case.layer.forward else module(x, cu)
-    (y * dy).sum().backward()
-    if case.layer.after_backward is not None:
-        case.layer.after_backward(module, p)
-    return y.detach(), x.grad, {n: q.grad for n, q in module.named_parameters()}

@@ -9,19 +9,16 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
+from . import options
+
 CONFIG = PurePosixPath("suites/suites.toml")
 
-# suite key -> (command-line flag, config.option attribute)
-OPTIONS = {
-    "tp": ("--tp", "tp"),
-    "cp": ("--cp", "cp"),
-    "device": ("--linattn-device", "linattn_device"),
-    "timeout": ("--linattn-timeout", "linattn_timeout"),
-}
+# The plugin options a suite may set, by key (the same in suites.toml); their flags and ini keys
+# are the plugin table's.
+OPTIONS = {key: options.OPTIONS[key] for key in ("tp", "cp", "device", "timeout")}
 _KEYS = set(OPTIONS) | {"gpus", "pytest_args", "collect", "description"}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _SIZES = re.compile(r"^[1-9][0-9]*(,[1-9][0-9]*)*$")
-_DEVICES = ("cpu", "cuda", "auto")
 
 
 class SuiteConfigError(ValueError):
@@ -53,7 +50,7 @@ class Suite:
         """The arguments linattn-rerun adds to pytest for this suite."""
         args = []
         for key, value in self.option_values().items():
-            args += [OPTIONS[key][0], value]
+            args += [OPTIONS[key].flag, value]
         return args + list(self.pytest_args)
 
 
@@ -98,8 +95,8 @@ def _suite(name: str, table: dict, path: Path) -> Suite:
             table[key] = _fmt(table[key])
             if not _SIZES.match(table[key]):
                 raise SuiteConfigError(f"{where}: {key} = {table[key]!r}: one size or a comma list, e.g. \"2,4\"")
-    if "device" in table and table["device"] not in _DEVICES:
-        raise SuiteConfigError(f"{where}: device = {table['device']!r}: one of {', '.join(_DEVICES)}")
+    if "device" in table and table["device"] not in options.DEVICES:
+        raise SuiteConfigError(f"{where}: device = {table['device']!r}: one of {', '.join(options.DEVICES)}")
     timeout = table.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise SuiteConfigError(f"{where}: timeout = {timeout!r}: seconds, a number > 0")
@@ -143,7 +140,7 @@ def targeted_suites(args: list[str], invocation_dir: Path, root: Path, suites: d
 
 def given_flags(tokens: list[str]) -> set[str]:
     """Which of the suite option flags appear in a pytest argument list (`--tp 2` or `--tp=2`)."""
-    flags = {flag for flag, _ in OPTIONS.values()}
+    flags = {option.flag for option in OPTIONS.values()}
     return {t.split("=", 1)[0] for t in tokens if t.split("=", 1)[0] in flags}
 
 

@@ -31,10 +31,10 @@ def _user_flags(config) -> set[str]:
     tokens += list(config.getini("addopts"))
     flags = given_flags(tokens)
     # The option's ini key (linattn_tp = "2" in [tool.pytest.ini_options]) counts as given too.
-    for key, (flag, _dest) in OPTIONS.items():
+    for option in OPTIONS.values():
         try:
-            if config.getini(f"linattn_{key}"):
-                flags.add(flag)
+            if config.getini(option.ini):
+                flags.add(option.flag)
         except ValueError:
             pass  # no such ini key registered
     return flags
@@ -50,18 +50,18 @@ def pytest_configure(config):
     names = targeted_suites(config.args, config.invocation_params.dir, ROOT, SUITES)
     given = _user_flags(config)
     applied, conflicts = [], []
-    for key, (flag, dest) in OPTIONS.items():
-        if flag in given or not hasattr(config.option, dest):
+    for key, option in OPTIONS.items():
+        if option.flag in given or not hasattr(config.option, option.dest):
             continue  # the user's value wins; no attribute means the plugin is not loaded
         values = {SUITES[n].option_values().get(key) for n in names}
         values.discard(None)
         if len(values) == 1:
             value = values.pop()
-            setattr(config.option, dest, value)
-            applied.append(f"{flag} {value}")
+            setattr(config.option, option.dest, value)
+            applied.append(f"{option.flag} {value}")
         elif len(values) > 1:
             # One pytest process has one value per option: run one suite at a time instead.
-            conflicts.append(flag)
+            conflicts.append(option.flag)
     config.stash[_HEADER] = (sorted(names), applied, conflicts)
 
 

@@ -32,7 +32,7 @@ def _check_activation(function: str, activation) -> None:
 
 
 def conv_in_compute_dtype(x, weight, cu_seqlens=None, bias=None, activation=None):
-    """``linattn.kernels.short_conv``'s call shape, in the emulation's compute dtype (CP's conv_fn)."""
+    """``linattn.kernels.short_conv``'s call shape, in the emulation's compute dtype (CP short_conv's piece_op)."""
     return reference_short_conv(x, weight, cu_seqlens, bias, activation, compute_dtype=compute_dtype())
 
 
@@ -110,7 +110,10 @@ def causal_conv1d(
         from linattn.emulation.cp import piece_context
         from linattn.parallel import cp as linattn_cp
 
-        y = linattn_cp.short_conv(x, weight, bias, activation, piece_context(cp_context), conv_fn=conv_in_compute_dtype)
+        ctx = piece_context(cp_context)
+        y = linattn_cp.short_conv(ctx.relayout.to_contiguous(x), weight, bias, activation, backend="exchange",
+                                  piece_op=conv_in_compute_dtype, cp_context=ctx)
+        y = ctx.relayout.from_contiguous(y)
         if residual is not None:
             y = y + residual.reshape(y.shape).to(y.dtype)
         return y.to(x.dtype).view(shape), None

@@ -7,8 +7,8 @@ what fla computes (fla's metadata code is pure torch and runs on a CPU), with th
 
 Layouts: fla's ``"contiguous"`` is linattn's. fla's ``"zigzag"`` cuts the whole packed batch (not
 each sequence) into ``2*cp`` intervals; rank r holds intervals r and ``2*cp-1-r`` (front, back).
-The linattn context then carries an all-to-all plan that moves those tokens into the contiguous
-layout and back, so the same exact contiguous machinery serves both.
+The linattn context's relayout then moves those tokens into the contiguous piece and back (one
+all-to-all each way), so the same exact contiguous machinery serves both.
 """
 
 from __future__ import annotations
@@ -32,14 +32,11 @@ def _fla_zigzag_index(total: int, cp_rank: int, cp_size: int) -> torch.Tensor:
 
 
 def _linattn_context(global_cu: torch.Tensor, group, layout: str) -> linattn_cp.CPContext:
-    ctx = linattn_cp.build_context(global_cu, cp_group=group, layout="contiguous")
-    if layout == "zigzag" and ctx.cp_size > 1:
-        # fla's whole-batch zigzag: tokens move to the contiguous piece and back by all-to-all
-        total, size = ctx.total_tokens, ctx.cp_size
-        ctx._plan = linattn_cp.relayout_plan_to_contiguous(
-            lambda rank: _fla_zigzag_index(total, rank, size), ctx.cp_rank, size, total // size)
-        ctx.layout = "fla-zigzag"
-    return ctx
+    if layout != "zigzag":
+        return linattn_cp.build_context(global_cu, group)
+    total, size = int(global_cu[-1]), dist.get_world_size(group)
+    return linattn_cp.build_context(global_cu, group, "fla-zigzag",
+                                    tokens_of_rank=lambda rank: _fla_zigzag_index(total, rank, size))
 
 
 def _intervals(cp_context, cp_rank: int, cp_size: int):
@@ -83,7 +80,7 @@ def piece_context(cp_context) -> linattn_cp.CPContext:
         return ctx
     group = getattr(cp_context, "group", None)
     if group is None:
-        # fla: a context without a group is CP off; linattn's None would mean the default group
+        # fla runs such a context without CP; the emulated ops take a cp_context only to run CP
         refuse("cp_context", "group", None, "is not emulated: CP needs the process group")
     layout = getattr(cp_context, "layout", "contiguous")
     if layout not in ("contiguous", "zigzag"):

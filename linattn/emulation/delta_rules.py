@@ -283,9 +283,12 @@ def _run(op, mode, q, k, v, g, beta, scale, initial_state, output_final_state, u
     if cp_context is not None:
         from .cp import piece_context
 
+        ctx = piece_context(cp_context)
+        name = "kda" if op is reference.kda else "gated_delta_rule"
         piece_op = _chunk_kda_piece if op is reference.kda else _chunk_gated_delta_rule_piece
-        o = parallel_cp.delta_rule(piece_op, q, k, v, g, beta, scale, use_qk_l2norm, piece_context(cp_context))
-        return o.to(o_dtype), None
+        o = parallel_cp.delta_rule(*ctx.relayout.to_contiguous(q, k, v, g, beta), op=name, scale=scale,
+                                   use_qk_l2norm=use_qk_l2norm, backend="exchange", piece_op=piece_op, cp_context=ctx)
+        return ctx.relayout.from_contiguous(o).to(o_dtype), None
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
     o, final_state = op(q, k, v, g, beta, scale=scale, initial_state=initial_state,

@@ -9,9 +9,12 @@ initial_state `[N, HV, K, V]`. Returns (o `[B, T, HV, V]` in q's dtype, final st
 """
 
 import torch
+import torch.nn.functional as F
 
 from linattn import selection
 from linattn.checks import require
+
+from ._norm import at_least_float32
 
 ROUTES = selection.GDN_ROUTES
 
@@ -28,18 +31,37 @@ def gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
     route: str | None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """route None: `selection.gdn_route()` for CUDA tensors, "gated_delta_rule" otherwise."""
+    """route None: for CUDA tensors `selection.gdn_route(needs_backward)`, else "gated_delta_rule".
+
+    use_gate_in_kernel: g is the raw gate input and the kernel computes the log decay
+    `-exp(A_log) * softplus(g + dt_bias)` (A_log, dt_bias `[HV]`); use_beta_sigmoid_in_kernel:
+    beta holds logits. Both as fla's chunk_gated_delta_rule; on CPU tensors computed in at least
+    float32 before the reference, on the "kda" route before the gate is broadcast.
+    """
     require(route is None or route in ROUTES, "route", f"must be None or one of {ROUTES}, got {route!r}")
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=False)
+    _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, None, per_channel_gate=False)
     if route is None:
-        route = selection.gdn_route() if q.is_cuda else "gated_delta_rule"
+        needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias)
+                                                          if t is not None)
+        route = selection.gdn_route(needs_backward) if q.is_cuda else "gated_delta_rule"
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
+    if q.is_cuda and route == "gated_delta_rule":
+        return _gated_delta_rule_fla(q, k, v, g, beta, *args, use_gate_in_kernel, A_log, dt_bias,
+                                     use_beta_sigmoid_in_kernel)
+    if use_gate_in_kernel:
+        g = log_decay(g, A_log, dt_bias)
     if route == "kda":
         q, k, g = gdn_as_kda_inputs(q, k, v, g)
-        return kda(q, k, v, g, beta, *args)
-    if q.is_cuda:
-        return _gated_delta_rule_fla(q, k, v, g, beta, *args)
+        return kda(q, k, v, g, beta, *args, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(at_least_float32(beta))
     return _run_reference("gated_delta_rule", q, k, v, g, beta, *args)
 
 
@@ -55,14 +77,64 @@ def kda(
     cu_seqlens: torch.Tensor | None = None,
     use_qk_l2norm: bool = False,
     route: str | None = None,
+    *,
+    use_gate_in_kernel: bool = False,
+    A_log: torch.Tensor | None = None,
+    dt_bias: torch.Tensor | None = None,
+    lower_bound: float | None = None,
+    use_beta_sigmoid_in_kernel: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """g is a per-channel log decay (no in-kernel gate activation). route: None or "kda" only."""
+    """g is a per-channel log decay, or with use_gate_in_kernel the raw gate input, from which the
+    kernel computes `-exp(A_log) * softplus(g + dt_bias)` or, with lower_bound,
+    `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` (A_log `[HV]`, dt_bias `[HV * K]`);
+    use_beta_sigmoid_in_kernel: beta holds logits. Both as fla's chunk_kda; on CPU tensors computed
+    in at least float32 before the reference. route: None or "kda" only."""
     require(route in (None, "kda"), "route", f"must be None or 'kda' for KDA, got {route!r}")
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=True)
+    _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_channel_gate=True)
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
     if q.is_cuda:
-        return _kda_fla(q, k, v, g, beta, *args)
+        return _kda_fla(q, k, v, g, beta, *args, use_gate_in_kernel, A_log, dt_bias, lower_bound,
+                        use_beta_sigmoid_in_kernel)
+    if use_gate_in_kernel:
+        g = log_decay(g, A_log, dt_bias, lower_bound)
+    if use_beta_sigmoid_in_kernel:
+        beta = torch.sigmoid(at_least_float32(beta))
     return _run_reference("kda", q, k, v, g, beta, *args)
+
+
+def log_decay(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
+              lower_bound: float | None = None) -> torch.Tensor:
+    """The log decay from the raw gate input g, in at least float32, as fla's in-kernel gate.
+
+    GDN (g `[B, T, HV]`, A_log and dt_bias `[HV]`): `-exp(A_log) * softplus(g + dt_bias)`.
+    KDA (g `[B, T, HV, K]`, A_log `[HV]`, dt_bias `[HV * K]`): the same per key channel, or with
+    lower_bound `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`, in [lower_bound, 0).
+    """
+    per_channel = g.dim() == 4
+    g = at_least_float32(g)
+    shape = g.shape[-2:] if per_channel else g.shape[-1:]
+    if dt_bias is not None:
+        g = g + at_least_float32(dt_bias).view(shape)
+    rate = at_least_float32(A_log).exp()
+    rate = rate.view(-1, 1) if per_channel else rate
+    if lower_bound is None:
+        return -rate * F.softplus(g)
+    return lower_bound * torch.sigmoid(rate * g)
+
+
+def _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_channel_gate):
+    if not use_gate_in_kernel:
+        for name, value in (("A_log", A_log), ("dt_bias", dt_bias), ("lower_bound", lower_bound)):
+            require(value is None, name, "is read only with use_gate_in_kernel=True; pass None otherwise")
+        return
+    HV = g.shape[2]
+    require(isinstance(A_log, torch.Tensor) and A_log.numel() == HV, "A_log",
+            f"must be a tensor of HV={HV} elements with use_gate_in_kernel=True, got {getattr(A_log, 'shape', A_log)!r}")
+    bias_numel = HV * g.shape[3] if per_channel_gate else HV
+    require(dt_bias is None or dt_bias.numel() == bias_numel, "dt_bias",
+            f"must be None or a tensor of {bias_numel} elements, got {getattr(dt_bias, 'shape', dt_bias)!r}")
+    require(lower_bound is None or lower_bound < 0, "lower_bound", f"must be None or negative, got {lower_bound!r}")
 
 
 def gdn_as_kda_inputs(q, k, v, g):
@@ -129,7 +201,16 @@ def _fla_state_args(q, initial_state, cu_seqlens):
     return initial_state, cu_seqlens
 
 
-def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+def _gate_kwargs(use_gate_in_kernel, A_log, dt_bias):
+    # fla's gate kernels read A_log and dt_bias in float32 (the layer's may be bf16)
+    if not use_gate_in_kernel:
+        return {}
+    return dict(use_gate_in_kernel=True, A_log=A_log.float().reshape(-1),
+                dt_bias=None if dt_bias is None else dt_bias.float().reshape(-1))
+
+
+def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                          use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     initial_state, cu_seqlens = _fla_state_args(q, initial_state, cu_seqlens)
@@ -139,12 +220,15 @@ def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_s
         initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
         cu_seqlens=cu_seqlens,
+        **_gate_kwargs(use_gate_in_kernel, A_log, dt_bias),
     )
     return o.to(q.dtype), final_state
 
 
-def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+             use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False):
     from fla.ops.kda import chunk_kda
 
     selection.kda_tilelang_setting()  # FLA_TILELANG must be in force before fla dispatches
@@ -155,7 +239,9 @@ def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
-        use_gate_in_kernel=False,  # g is already the log decay
+        use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+        lower_bound=lower_bound,
         cu_seqlens=cu_seqlens,
+        **_gate_kwargs(use_gate_in_kernel, A_log, dt_bias),
     )
     return o.to(q.dtype), final_state

@@ -9,13 +9,14 @@ attention, with HF parameter names, tensor, sequence and context parallelism.
     layer.load_state_dict(shard_state_dict(full_state_dict, config, tp_rank, tp_size))
     y = layer(hidden_states, cu_seqlens)   # this rank's tokens; cu_seqlens global
 
-Under CP, parameter gradients are per-rank partial sums: reduce them over the data x context
-parallel ranks, as for any token split (see build_layer).
+Under CP, parameter gradients are per-rank partial sums (see linattn.parallel.cp).
 
 Other implementations' weights (transformers modules, fla's layers, megatron-core's GDN, with its
 TP shards) convert to and from these with the adapters (adapters.py); a transformers config
 gives the layer's config with LinearAttentionConfig.from_hf_config.
 """
+
+from linattn.kernels import gated_rms_norm
 
 from .adapters import (
     config_from_fla_layer,
@@ -28,7 +29,7 @@ from .adapters import (
     to_hf_state_dict,
     to_megatron_state_dict,
 )
-from .base import HeadShardedLinearAttention, gated_rms_norm
+from .base import HeadShardedLinearAttention
 from .build import build_layer
 from .config import FAMILIES, LinearAttentionConfig
 from .gated_deltanet import GatedDeltaNet

@@ -6,22 +6,20 @@ Forward of every family, on one (TP rank, CP rank) holding 1/tp of the heads and
 
     x = enter(hidden_states)         SP: all-gather tokens    | else: copy (bwd all-reduce of dx)
                                      -> this CP rank's tokens, in the CP layout
-    x = to_contiguous(x)             zigzag only: all-to-all over CP into the contiguous layout
+    x = relayout.to_contiguous(x)    zigzag only: all-to-all over CP into the contiguous piece
     y = family mixer on local heads  column-parallel in, per-head conv + recurrence + gated norm,
                                      row-parallel out (partial sums over the TP ranks); conv halo
                                      and recurrent state cross CP ranks (linattn.parallel.cp)
-    y = from_contiguous(y)           zigzag only: the inverse all-to-all
+    y = relayout.from_contiguous(y)  zigzag only: the inverse all-to-all
     return exit(y)                   SP: reduce-scatter tokens | else: all-reduce
 
 Replicated weights (norm weight, KDA's f_a_proj and g_a_proj) pass through
 copy_to_tensor_parallel_region where they are used, so their gradient is summed over TP
-inside backward, like the input's. Over CP nothing is summed: every parameter gradient is this
-rank's partial sum over its tokens, completed by the training loop's gradient all-reduce over
-the data x context parallel ranks (Megatron-LM's usual reduction).
+inside backward, like the input's. Over CP nothing is summed (see linattn.parallel.cp).
 
 Context parallelism acts at exactly two methods: `_short_conv` (every short convolution of a
-family goes through one call) and `_delta_rule` (the recurrence). Both get the CP context of the
-contiguous piece, or None without CP.
+family goes through one call) and `_delta_rule` (the recurrence). Both get the layer's CP
+context (its contiguous piece), or None without CP.
 """
 
 from __future__ import annotations
@@ -31,9 +29,8 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 
-from linattn import kernels
+from linattn import kernels, selection
 from linattn.parallel import cp
 from linattn.parallel.groups import group_rank, group_size
 from linattn.parallel.mappings import (
@@ -47,34 +44,7 @@ from linattn.checks import validate_cu_seqlens
 from .config import LinearAttentionConfig
 from .state_dict import FLATTENABLE, parameter_layouts
 
-__all__ = ["HeadShardedLinearAttention", "gated_rms_norm"]
-
-
-def _at_least_float32(t: torch.Tensor) -> torch.Tensor:
-    """t in float32 if its dtype is lower (bf16, fp16); float32 and float64 pass unchanged.
-
-    The one precision rule of the layers' small elementwise math (decay gate, beta, gated RMSNorm
-    statistics; for KDA also its low-rank gate projections, see kimi_delta_attention.py), as the
-    references do: HF Qwen3-Next `g = -A_log.float().exp() * softplus(a.float()
-    + dt_bias)`; fla computes the KDA gate (fla/ops/kda/gate.py), the in-kernel beta sigmoid
-    (fla/ops/common/gate.py) and the gated RMSNorm (fla/modules/fused_norm_gate.py) in float32, and
-    its kernels take g and beta in float32. Results go back to the layer dtype only where a matmul
-    takes them (the normed output before the output projection).
-    """
-    return t if t.dtype in (torch.float32, torch.float64) else t.float()
-
-
-def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float, activation: str) -> torch.Tensor:
-    """RMSNorm over the last dim, times weight, times act(gate) (norm before gate, as HF and fla).
-
-    activation: "silu" (Qwen3-Next / Qwen3.5) or "sigmoid" (KDA). Computes in at least float32;
-    returns x's dtype (the output projection's input).
-    """
-    xc = _at_least_float32(x)
-    y = xc * torch.rsqrt(xc.pow(2).mean(-1, keepdim=True) + eps) * weight.to(xc.dtype)
-    gate = gate.to(xc.dtype)
-    y = y * (F.silu(gate) if activation == "silu" else torch.sigmoid(gate))
-    return y.to(x.dtype)
+__all__ = ["HeadShardedLinearAttention"]
 
 
 class _Parameters(nn.Module):
@@ -164,22 +134,21 @@ class HeadShardedLinearAttention(nn.Module):
         under SP split again into tp contiguous slices of T / (cp * tp) tokens (T_local = T without
         CP and SP); cu_seqlens: the GLOBAL packed-sequence boundaries `[N + 1]` (int32), the same on
         every rank. Returns `[1, T_local, hidden]`, the same tokens."""
-        contexts = self._check_inputs(hidden_states, cu_seqlens)
+        cp_context = self._check_inputs(hidden_states, cu_seqlens)
         x = self._enter_tensor_parallel_region(hidden_states)
-        if contexts is None:
+        if cp_context is None:
             y = self._mix_tokens(x, cu_seqlens.to(device=hidden_states.device), None)
         else:
             # ops run on the contiguous piece; zigzag moves the tokens there once per layer (one
             # all-to-all of the hidden states each way) rather than once per op
-            layout_ctx, piece_ctx = contexts
-            x = layout_ctx.to_contiguous(x)
-            y = self._mix_tokens(x, piece_ctx.local_cu_seqlens_on(x.device), piece_ctx)
-            y = layout_ctx.from_contiguous(y)
+            x = cp_context.relayout.to_contiguous(x)
+            y = self._mix_tokens(x, cp_context.local_cu_seqlens_on(x.device), cp_context)
+            y = cp_context.relayout.from_contiguous(y)
         return self._exit_tensor_parallel_region(y)
 
     def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor):
         """ValueError naming the rule a bad input breaks, before any collective. Under CP returns
-        the CP contexts (of the layout, of the contiguous piece), else None."""
+        the CP context, else None."""
         hidden = self.config.hidden_size
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be a [1, T, hidden] tensor, got {getattr(hidden_states, 'shape', hidden_states)!r}")
@@ -190,14 +159,11 @@ class HeadShardedLinearAttention(nn.Module):
         total = int(cu_seqlens[-1])
         validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
         local_tokens = hidden_states.shape[1]
-        contexts = None
+        cp_context = None
         if self.cp_size > 1:
             # cp.build_context checks the CP divisibility rules (T by cp, zigzag: T and every
             # sequence length by 2 * cp); it only reads the group's size and rank
-            layout_ctx = cp.build_context(cu_seqlens, total, self.cp_group, self.cp_layout)
-            piece_ctx = layout_ctx if self.cp_layout == "contiguous" else \
-                cp.build_context(cu_seqlens, total, self.cp_group, "contiguous")
-            contexts = (layout_ctx, piece_ctx)
+            cp_context = cp.build_context(cu_seqlens, self.cp_group, self.cp_layout, total_tokens=total)
         cp_tokens = total // self.cp_size  # this CP rank's tokens
         if self.sequence_parallel:
             if cp_tokens % self.tp_size != 0:
@@ -215,7 +181,7 @@ class HeadShardedLinearAttention(nn.Module):
         elif local_tokens != cp_tokens:
             what = "cu_seqlens[-1]" if self.cp_size == 1 else "cu_seqlens[-1] / cp_size"
             raise ValueError(f"hidden_states must hold {what} = {cp_tokens} tokens, got {local_tokens}")
-        return contexts
+        return cp_context
 
     def _enter_tensor_parallel_region(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:
@@ -243,20 +209,36 @@ class HeadShardedLinearAttention(nn.Module):
         """Causal depthwise conv + SiLU over packed `[1, T, D]` channels, weight `[D, W]`; under CP
         each sequence's W-1 earlier tokens come from the ranks that hold them."""
         if cp_context is not None:
-            return cp.short_conv(x, weight, None, "silu", cp_context)
+            return cp.short_conv(x, weight, activation="silu", cp_context=cp_context)
         return kernels.short_conv(x, weight, cu_seqlens=cu_seqlens, activation="silu")
 
-    def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, cp_context=None) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, cp_context=None, **gate) -> torch.Tensor:
         """The recurrence on this rank's heads: q, k `[1, T, H, dk]`, v `[1, T, HV, dv]`, g `[1, T, HV]`
         (gdn) or `[1, T, HV, dk]` (kda), beta `[1, T, HV]`; returns o `[1, T, HV, dv]`.
         q and k are L2-normalised inside the kernel, scale = dk ** -0.5 (HF, fla). Under CP the
-        state of a sequence crossing a rank boundary is carried over (forward and backward)."""
+        state of a sequence crossing a rank boundary is carried over (forward and backward).
+        gate: the kernel entries' in-kernel gate and beta arguments (see `_fuses_gate`), without CP."""
         scale = self.config.head_k_dim ** -0.5
+        if gate and cp_context is not None:
+            raise ValueError("the in-kernel gate runs without CP only: compute g and beta before the CP op")
         if cp_context is not None:
-            return cp.delta_rule(self.config.op, q, k, v, g, beta, scale, True, cp_context)
+            return cp.delta_rule(q, k, v, g, beta, op=self.config.op, scale=scale, use_qk_l2norm=True,
+                                 cp_context=cp_context)
         op = kernels.kda if self.config.op == "kda" else kernels.gated_delta_rule
-        out = op(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=True)
-        return out[0] if isinstance(out, tuple) else out
+        return op(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=True, **gate)[0]
+
+    def _fuses_gate(self, x: torch.Tensor, cp_context) -> bool:
+        """Whether the decay gate and the beta sigmoid run inside the recurrence kernel (fla's
+        use_gate_in_kernel / use_beta_sigmoid_in_kernel), as `linattn.selection` picks for CUDA;
+        under CP the CP op takes g and beta computed before it."""
+        return x.is_cuda and cp_context is None and selection.gate_norm_backend() == "fla"
+
+    def _gate_in_kernel(self, lower_bound: float | None = None) -> dict:
+        """The kernel entries' arguments for an in-kernel gate from this layer's A_log and dt_bias."""
+        gate = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True)
+        if lower_bound is not None:
+            gate["lower_bound"] = lower_bound
+        return gate
 
 
 def _check_group_grid(tp_group, cp_group) -> None:

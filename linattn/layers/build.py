@@ -29,13 +29,9 @@ def build_layer(
     `shard_state_dict(full, config, tp_rank, tp_size)`.
 
     cp_group: context parallelism, the packed batch `[1, T, hidden]` split over its ranks (None:
-    no CP). Every CP rank holds the same weights. cp_layout says which tokens a CP rank holds
-    (`linattn.parallel.cp.cp_shard` gives them):
-      "contiguous"  rank r holds tokens [r*T/cp, (r+1)*T/cp) of the packed batch; T % cp == 0.
-      "zigzag"      per sequence (Megatron's THD / Transformer Engine layout): every sequence is
-                    cut into 2*cp equal chunks and rank r holds chunks r and 2*cp-1-r of each, in
-                    sequence order; every sequence length % (2*cp) == 0. The layer moves them to
-                    the contiguous layout and back with one all-to-all each way.
+    no CP). Every CP rank holds the same weights. cp_layout says which tokens a CP rank holds:
+    "contiguous" or "zigzag", defined in `linattn.parallel.cp.layout` (`cp_shard` gives them); the
+    layer moves zigzag tokens to the contiguous layout and back with one all-to-all each way.
     Short-conv halos and the recurrent state of sequences that cross a rank boundary are exchanged
     exactly (linattn.parallel.cp: our exchange over gloo on CPU, fla's CP kernels on CUDA); a rank
     piece may be shorter than the conv width.
@@ -48,9 +44,7 @@ def build_layer(
     Megatron order: TP fastest).
 
     Gradients: replicated weights (norm weights, KDA's f_a_proj / g_a_proj) get their gradient
-    summed over TP inside the layer. Nothing is summed over CP: every parameter gradient is this
-    rank's partial sum over its tokens, as Megatron-style training expects; its gradient
-    all-reduce over the data x context parallel ranks completes it.
+    summed over TP inside the layer. Nothing is summed over CP (see linattn.parallel.cp).
 
     forward(hidden_states `[1, T_local, hidden]`, cu_seqlens GLOBAL int32 `[N + 1]`) ->
     `[1, T_local, hidden]`, T_local = T / cp (/ tp under SP). Raises ValueError when T (or a

@@ -97,8 +97,9 @@ class LinearAttentionConfig:
 
     @property
     def op(self) -> str:
-        """Recurrence: 'gdn' (scalar decay per value head) or 'kda' (decay per key channel)."""
-        return "kda" if self.family == "kda" else "gdn"
+        """Recurrence, named as its linattn.kernels entry: 'gated_delta_rule' (scalar decay per value
+        head) or 'kda' (decay per key channel)."""
+        return "kda" if self.family == "kda" else "gated_delta_rule"
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
         """TP splits whole key heads (and with them their value heads): tp_size must divide num_k_heads."""

@@ -21,7 +21,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .base import HeadShardedLinearAttention, _at_least_float32, gated_rms_norm
+from linattn import kernels
+from linattn.kernels import at_least_float32
+
+from .base import HeadShardedLinearAttention
 
 __all__ = ["KimiDeltaAttention"]
 
@@ -33,8 +36,8 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         c = self.local_config
         T = x.shape[1]
         HV, dk, dv = c.num_v_heads, c.head_k_dim, c.head_v_dim
-        qkv = torch.cat([F.linear(x, self.q_proj.weight), F.linear(x, self.k_proj.weight),
-                         F.linear(x, self.v_proj.weight)], dim=-1)
+        # one projection into [q | k | v] (the weights are concatenated, not the activations)
+        qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0))
         conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
         qkv = self._short_conv(qkv, conv_weight, cu_seqlens, cp_context)
         q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
@@ -44,26 +47,24 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
 
         # The gate in at least float32 from its input projections on: dt_bias (~ log dt, -7 to -2)
         # cancels most of f_b_proj's output, so bf16 rounding of the projections is a large error
-        # in f, and with the lower bound sigmoid(exp(A_log) * f) multiplies it by up to 16
-        # (2-4e-2 relative on the gate's weight gradients; 1e-2 in float32). fla and HF round the
-        # projections to bf16; these are low rank (hidden -> dv -> HV * dk): float32 costs a fraction
-        # of one full-width projection. Under TP the f_a_proj gradient is summed in float32.
-        # f_a_proj is replicated (its output feeds every rank's heads): gradient summed over TP
-        f_low_rank = F.linear(_at_least_float32(x), self._replicated(_at_least_float32(self.f_a_proj.weight)))
-        f = F.linear(f_low_rank, _at_least_float32(self.f_b_proj.weight)).view(1, T, HV, dk)
-        f = f + _at_least_float32(self.dt_bias).view(HV, dk)
-        decay_rate = _at_least_float32(self.A_log).exp().view(HV, 1)
-        if self.config.gate_lower_bound is None:
-            g = -decay_rate * F.softplus(f)
+        # in f, and with the lower bound sigmoid(exp(A_log) * f) multiplies it by up to 16. fla and
+        # HF round the projections to bf16. On CUDA they run on bf16 tensor cores with float32
+        # output (kernels.float32_linear). f_a_proj is replicated (its output feeds every rank's
+        # heads); under TP its gradient is summed in float32.
+        proj = "bf16_split" if x.is_cuda else "torch"
+        f_low_rank = kernels.float32_linear(x, self._replicated(at_least_float32(self.f_a_proj.weight)), proj)
+        f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj).view(1, T, HV, dk)
+        b = F.linear(x, self.b_proj.weight)
+        if self._fuses_gate(x, cp_context):
+            o = self._delta_rule(q, k, v, f, b, cu_seqlens, **self._gate_in_kernel(self.config.gate_lower_bound))
         else:
-            g = self.config.gate_lower_bound * torch.sigmoid(decay_rate * f)
-        beta = torch.sigmoid(_at_least_float32(F.linear(x, self.b_proj.weight)))
-
-        o = self._delta_rule(q, k, v, g, beta, cu_seqlens, cp_context)
+            g = kernels.log_decay(f, self.A_log, self.dt_bias, self.config.gate_lower_bound)
+            o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)
 
         if self.config.output_gate_rank is None:
             gate = F.linear(x, self.g_proj.weight)
         else:
             gate = F.linear(F.linear(x, self._replicated(self.g_a_proj.weight)), self.g_b_proj.weight)
-        o = gated_rms_norm(o, gate.view(1, T, HV, dv), self._replicated(self.o_norm.weight), self.config.norm_eps, "sigmoid")
+        o = kernels.gated_rms_norm(o, gate.view(1, T, HV, dv), self._replicated(self.o_norm.weight),
+                                   self.config.norm_eps, "sigmoid")
         return F.linear(o.reshape(1, T, c.value_dim), self.o_proj.weight)

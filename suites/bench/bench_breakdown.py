@@ -6,10 +6,10 @@ collectives, and the remainder (glue) = layer time minus the sum of the measured
 
 How the parts are measured: the layer step is timed whole; then one forward (no grad) records
 every call the layer makes to a part, with the actual input tensors:
-  projections  torch.nn.functional.linear (every projection, in the dtype the layer uses)
+  projections  torch.nn.functional.linear and linattn.kernels.float32_linear (every projection)
   conv         layer._short_conv (the one short-conv call site; under CP with its halo exchange)
   recurrence   layer._delta_rule (the recurrence call site; under CP with its state exchange)
-  norm         the family's gated_rms_norm
+  norm         linattn.kernels.gated_rms_norm
   collectives  layer._enter/_exit_tensor_parallel_region and layer._replicated (TP mappings;
                the identity at TP = 1)
 and each call is replayed alone, forward + backward with every floating input a leaf that needs
@@ -21,12 +21,13 @@ tokens, TP = 1 (the `glue <= 10%` column).
 from __future__ import annotations
 
 import argparse
-import sys
 
 import torch
 
-from _common import (Ranks, add_common_args, build_case, case_row, finish, fmt, free_memory, is_oom, measure,
-                     parallel_groups, parse_ints, print_table, resolve_args, sweep, time_layer_step)
+import linattn.kernels
+from _common import Ranks, add_common_args, case_row, finish, fmt, parse_ints, print_table, resolve_args, sweep
+from _layer_case import build_case, parallel_groups, time_layer_step
+from _timing import free_memory, is_oom, measure
 
 DEFAULTS = dict(shapes="prod", tokens="16k,64k", iters=10, warmup=3, tp="1", cp="1")
 QUICK = dict(shapes="kimi-k3,qwen3-next")
@@ -50,8 +51,8 @@ def record_calls(layer, x, cu) -> list:
                 depth[0] -= 1
         return recorded
 
-    family = sys.modules[type(layer).__module__]
-    module_patches = [(torch.nn.functional, "linear", "projections"), (family, "gated_rms_norm", "norm")]
+    module_patches = [(torch.nn.functional, "linear", "projections"), (linattn.kernels, "float32_linear", "projections"),
+                      (linattn.kernels, "gated_rms_norm", "norm")]
     method_patches = {"_short_conv": "conv", "_delta_rule": "recurrence", "_replicated": "collectives",
                       "_enter_tensor_parallel_region": "collectives", "_exit_tensor_parallel_region": "collectives"}
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in module_patches]

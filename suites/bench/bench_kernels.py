@@ -4,10 +4,11 @@
         [--iters 10] [--device auto] [--json FILE] [--plot DIR]
 
 Ops (the layer's two kernel call sites, at its TP-local shapes; cu_seqlens of --seqs sequences):
-  short_conv  q|k|v channels, width 4, SiLU: backends triton, mix, cuda (fla 0.6.0; torch on a CPU)
-  kda         chunk_kda (KDA shapes)
-  gdn         routes gated_delta_rule (fla's chunk_gated_delta_rule) and kda (GDN as chunk_kda with
-              the gate broadcast over the key channels) (GDN shapes)
+  short_conv        q|k|v channels, width 4, SiLU: backends triton, mix, cuda (fla 0.6.0; torch on
+                    a CPU)
+  kda               chunk_kda (KDA shapes)
+  gated_delta_rule  routes gated_delta_rule (fla's chunk_gated_delta_rule) and kda (GDN as
+                    chunk_kda with the gate broadcast over the key channels) (GDN shapes)
 plus an `auto` row per op: the entry called without backend/route, i.e. what linattn.selection
 picked on this machine (named in the `picked` column). A backend that fails (e.g. fla refusing
 GDN's backward on Hopper with Triton 3.6) keeps its forward time and shows the error.
@@ -23,8 +24,9 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from _common import (DTYPES, add_common_args, checkpoint, cu_seqlens, finish, first_line, fmt, free_memory,
-                     is_oom, make_config, measure_interleaved, print_table, resolve_args, tokens_label)
+from _common import (DTYPES, add_common_args, checkpoint, cu_seqlens, finish, fmt, make_config, print_table,
+                     resolve_args, tokens_label)
+from _timing import first_line, free_memory, is_oom, measure_interleaved
 
 DEFAULTS = dict(shapes="prod", tokens="4k,16k,64k", iters=10, warmup=3, tp="1")
 QUICK = dict(tokens="16k")

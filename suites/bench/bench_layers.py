@@ -21,8 +21,9 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from _common import (Ranks, add_common_args, build_case, case_row, finish, fmt, free_memory, is_oom, parallel_groups,
-                     parse_ints, print_table, resolve_args, sweep, time_layer_step)
+from _common import Ranks, add_common_args, case_row, finish, fmt, parse_ints, print_table, resolve_args, sweep
+from _layer_case import build_case, parallel_groups, time_layer_step
+from _timing import free_memory, is_oom
 
 DEFAULTS = dict(shapes="prod", tokens="4k,8k,16k,32k,64k", iters=10, warmup=3, tp="1,2", cp="1,2")
 QUICK = dict(shapes="qwen3-next,kimi-k3", tokens="16k")

@@ -13,9 +13,9 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 @pytest.fixture
 def bench(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
-    import _common
+    import _timing
 
-    return _common
+    return _timing
 
 
 def test_rounds_rotate_the_order(bench):
@@ -69,7 +69,7 @@ def test_kernel_table_times_every_backend_and_judges_auto(bench, tmp_path):
     payload = _run("bench_kernels", [], tmp_path)
     rows = payload["rows"]
     assert {(r["shape"], r["op"], r["backend"]) for r in rows} >= {
-        ("tiny-kda", "short_conv", "auto"), ("tiny-kda", "kda", "auto"), ("tiny-gdn", "gdn", "auto")}
+        ("tiny-kda", "short_conv", "auto"), ("tiny-kda", "kda", "auto"), ("tiny-gdn", "gated_delta_rule", "auto")}
     assert all(r["status"] == "ok" and r["ms"] > 0 for r in rows)
     assert len(payload["auto_check"]) == 4 and all(v["ok"] is not None for v in payload["auto_check"])
 
@@ -94,3 +94,15 @@ def test_breakdown_sums_its_parts(bench, tmp_path):
         parts = sum(row[p] for p in payload["parts"])
         assert row["glue"] == pytest.approx(row["ms"] - parts)
         assert all(row[p] >= 0 for p in payload["parts"])
+
+
+@pytest.mark.parametrize("extra", [[], ["--forward-only"]], ids=["fwd+bwd", "fwd only"])
+def test_fla_comparison_times_two_layers_computing_the_same_function(bench, tmp_path, extra):
+    # on a CPU fla's layers run under the emulation: the weight maps make them the project's layer
+    payload = _run("bench_vs_fla", extra, tmp_path)
+    rows = {r["shape"]: r for r in payload["rows"]}
+    assert set(rows) == {"tiny-kda", "tiny-gdn"}
+    for row in rows.values():
+        assert row["step"] == ("fwd only" if extra else "fwd+bwd")
+        assert row["ms"] > 0 and row["fla_ms"] > 0 and row["time_ratio"] == pytest.approx(row["ms"] / row["fla_ms"])
+        assert row["out_err"] < 1e-5, row  # float32 on both sides

@@ -101,20 +101,23 @@ def _run_cp_cases(cases):
     results = []
     for case in cases:
         cu, layout = case["cu"], case["layout"]
-        ctx = cp.build_context(cu, int(cu[-1]), None, layout)
+        ctx = cp.build_context(cu, dist.group.WORLD, layout, total_tokens=int(cu[-1]))
         out = {}
 
         c = case["conv"]
         x = _leaf(shard(c["x"], cu, rank, size, layout))
         weight, bias = _leaf(c["weight"]), _leaf(c["bias"])
-        y = cp.short_conv(x, weight, bias, "silu", ctx)
+        y = ctx.relayout.from_contiguous(
+            cp.short_conv(ctx.relayout.to_contiguous(x), weight, bias, "silu", cp_context=ctx))
         (y * shard(c["dy"], cu, rank, size, layout)).sum().backward()
         out["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
 
         for op in ("gated_delta_rule", "kda"):
             t = case[op]
             ins = {n: _leaf(shard(t[n], cu, rank, size, layout)) for n in ("q", "k", "v", "g", "beta")}
-            o = cp.delta_rule(op, *ins.values(), None, case["l2norm"], ctx)
+            o = cp.delta_rule(*ctx.relayout.to_contiguous(*ins.values()), op=op, use_qk_l2norm=case["l2norm"],
+                              cp_context=ctx)
+            o = ctx.relayout.from_contiguous(o)
             (o * shard(t["do"], cu, rank, size, layout)).sum().backward()
             out[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
         results.append(out)
@@ -139,7 +142,7 @@ def test_cp_ops_match_reference(spawn, cp_size):
             assert_parity(got, ref[op], rtol=RTOL, name=f"cp{cp_size}/{case['name']}/{op}", cu_seqlens=cu)
 
 
-# The documented layouts (cp.py's docstring) written out by hand: (layout, lengths, cp, the
+# The documented layouts (linattn/parallel/cp/layout.py's docstring) written out by hand: (layout, lengths, cp, the
 # global tokens of each rank in its local order). Zigzag cuts each sequence into 2*cp chunks and
 # rank r holds chunks r and 2*cp-1-r of every sequence.
 HAND_WRITTEN_LAYOUTS = [
@@ -181,8 +184,8 @@ def test_shard_unshard_agree_with_the_harness_layout(cp_size, layout):
 
 def test_context_metadata():
     cu = _cu([1, 3, 20, 4, 4])  # T=32, cp=4, 8 tokens per rank
-    ctxs = [cp.build_context(cu, 32, None, "contiguous", cp_rank=r, cp_size=4) for r in range(4)]
-    assert ctxs[0].prev_tokens == (0, 4, 12, 0)
+    ctxs = [cp.build_context(cu, None, "contiguous", total_tokens=32, cp_rank=r, cp_size=4) for r in range(4)]
+    assert ctxs[0].first_seq_offset == (0, 4, 12, 0)
     assert [c.local_cu_seqlens.tolist() for c in ctxs] == [[0, 1, 4, 8], [0, 8], [0, 8], [0, 4, 8]]
     assert [c.first_seq_continues for c in ctxs] == [False, True, True, False]
     assert [c.last_seq_continues for c in ctxs] == [True, True, False, False]
@@ -200,7 +203,7 @@ def test_context_metadata():
 def test_bad_partition_raises(lengths, cp_size, layout, match):
     cu = _cu(lengths)
     with pytest.raises(ValueError, match=match):
-        cp.build_context(cu, int(cu[-1]), None, layout, cp_rank=0, cp_size=cp_size)
+        cp.build_context(cu, None, layout, total_tokens=int(cu[-1]), cp_rank=0, cp_size=cp_size)
     with pytest.raises(ValueError, match=match):
         cp.cp_shard(torch.zeros(1, int(cu[-1])), cu, 0, cp_size, layout)
 
@@ -216,29 +219,34 @@ def test_bad_partition_raises(lengths, cp_size, layout, match):
 )
 def test_inconsistent_cu_seqlens_raises(cu, total, match):
     with pytest.raises(ValueError, match=match):
-        cp.build_context(torch.tensor(cu), total, None, "contiguous", cp_rank=0, cp_size=2)
+        cp.build_context(torch.tensor(cu), None, "contiguous", total_tokens=total, cp_rank=0, cp_size=2)
 
 
 def test_bad_inputs_raise():
-    ctx = cp.build_context(_cu([8]), 8, None, "contiguous", cp_rank=0, cp_size=2)
+    ctx = cp.build_context(_cu([8]), None, "contiguous", total_tokens=8, cp_rank=0, cp_size=2)
     q = torch.zeros(1, 4, H, K)
     with pytest.raises(ValueError, match="op must be one of"):
-        cp.delta_rule("mamba", q, q, q, q[..., 0], q[..., 0], None, False, ctx)
+        cp.delta_rule(q, q, q, q[..., 0], q[..., 0], op="mamba", cp_context=ctx)
+    with pytest.raises(ValueError, match=r"backend must be None or one of \('exchange', 'fla'\)"):
+        cp.delta_rule(q, q, q, q[..., 0], q[..., 0], op="kda", backend="nccl", cp_context=ctx)
+    with pytest.raises(ValueError, match=r"backend must be None or one of \('exchange', 'fla'\)"):
+        cp.short_conv(q[..., 0], q[0, 0], backend="nccl", cp_context=ctx)
+    with pytest.raises(ValueError, match="cp_context has no process group"):  # None: no CP, so metadata only
+        cp.delta_rule(q, q, q, q[..., 0], q[..., 0], op="gated_delta_rule", cp_context=ctx)
     with pytest.raises(ValueError, match="T_local=4"):
-        ctx.to_contiguous(torch.zeros(1, 5, 2))
+        ctx.relayout.to_contiguous(torch.zeros(1, 5, 2))
     with pytest.raises(ValueError, match="one shard per rank"):
         cp.cp_unshard([q], _cu([8]), 2)
 
 
-def test_fla_context_gets_the_default_group_for_none(tmp_path, monkeypatch):
-    # fla's build_cp_context asserts a group; ours means the default group by None (this bug
-    # reached the GPU suite once). fla itself is replaced: importing it costs seconds on a CPU.
+def test_fla_context_gets_the_context_group(tmp_path, monkeypatch):
+    # fla's build_cp_context needs the group itself. fla is replaced: importing it is slow on a CPU.
     import sys
     import types
 
     import torch.distributed as dist
 
-    from linattn.parallel import cp_fla
+    from linattn.parallel.cp import fla as cp_fla
 
     seen = {}
 
@@ -251,7 +259,7 @@ def test_fla_context_gets_the_default_group_for_none(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "fla.ops.cp", fake)
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     try:
-        ctx = cp.build_context(torch.tensor([0, 3, 8]), 8, None, "contiguous")
+        ctx = cp.build_context(torch.tensor([0, 3, 8]), dist.group.WORLD, "contiguous", total_tokens=8)
         assert cp_fla.fla_context(ctx, conv1d_kernel_size=4) == "fla-context"
         assert seen["group"] is dist.group.WORLD and seen["conv1d_kernel_size"] == 4
     finally:

@@ -321,7 +321,8 @@ def _run_cp_conv(cases_by_cp):
             # a context built by fla's own function: piece_context reassembles the same partition
             fla_ctx = get_cp_cu_seqlens(cu, group=group, conv1d_kernel_size=W, layout=layout)
             rebuilt, piece = emulation_cp.piece_context(fla_ctx), emulation_cp.piece_context(ctx)
-            same = torch.equal(rebuilt.cu_seqlens, piece.cu_seqlens) and rebuilt.prev_tokens == piece.prev_tokens
+            same = (torch.equal(rebuilt.cu_seqlens, piece.cu_seqlens)
+                    and rebuilt.first_seq_offset == piece.first_seq_offset)
 
             x, residual = _leaf(case["x"][:, index]), _leaf(case["residual"][:, index])
             weight, bias = _leaf(case["weight"]), _leaf(case["bias"])

@@ -150,3 +150,90 @@ def test_wrong_initial_state_count_raises():
     (q, k, v, g, beta, h0), cu = delta_inputs(torch.float32, False)
     with pytest.raises(ValueError, match="^initial_state"):
         kernels.gated_delta_rule(q, k, v, g, beta, initial_state=h0[:1], cu_seqlens=cu)
+
+
+# ---- in-kernel gate and beta (fla's use_gate_in_kernel / use_beta_sigmoid_in_kernel) ------------
+
+@pytest.mark.parametrize("op, lower_bound", [("gated_delta_rule", None), ("kda", None), ("kda", -5.0)])
+def test_gate_in_kernel_is_the_precomputed_gate(op, lower_bound):
+    per_channel = op == "kda"
+    (q, k, v, raw, logits, _), cu = delta_inputs(torch.float64, per_channel)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    HV, K = v.shape[2], q.shape[3]
+    A_log = torch.rand(HV, generator=gen, dtype=torch.float64).mul(3).log1p()
+    dt_bias = torch.randn(HV * K if per_channel else HV, generator=gen, dtype=torch.float64)
+    gate = dict(A_log=A_log, dt_bias=dt_bias) if lower_bound is None else dict(A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound)
+    fn = getattr(kernels, op)
+    fused, _ = fn(q, k, v, raw, logits, cu_seqlens=cu, use_qk_l2norm=True, use_gate_in_kernel=True,
+                  use_beta_sigmoid_in_kernel=True, **gate)
+    g = kernels.log_decay(raw, A_log, dt_bias, lower_bound)
+    separate, _ = fn(q, k, v, g, torch.sigmoid(logits), cu_seqlens=cu, use_qk_l2norm=True)
+    assert torch.equal(fused, separate)
+    # the decay itself, written out
+    shape = (HV, K) if per_channel else (HV,)
+    rate = A_log.exp().view(-1, 1) if per_channel else A_log.exp()
+    pre = raw + dt_bias.view(shape)
+    expected = -rate * F.softplus(pre) if lower_bound is None else lower_bound * torch.sigmoid(rate * pre)
+    assert torch.equal(g, expected)
+    if lower_bound is not None:
+        assert (g >= lower_bound).all() and (g < 0).all()
+
+
+def test_log_decay_computes_in_at_least_float32():
+    raw = torch.randn(1, 5, 3, dtype=torch.bfloat16)
+    A_log = torch.zeros(3, dtype=torch.bfloat16)
+    assert kernels.log_decay(raw, A_log).dtype == torch.float32
+
+
+@pytest.mark.parametrize("op", ["gated_delta_rule", "kda"])
+def test_gate_arguments_refused_without_gate_in_kernel(op):
+    (q, k, v, g, beta, _), cu = delta_inputs(torch.float64, op == "kda")
+    with pytest.raises(ValueError, match="A_log is read only with use_gate_in_kernel=True"):
+        getattr(kernels, op)(q, k, v, g, beta, cu_seqlens=cu, A_log=torch.zeros(v.shape[2]))
+    with pytest.raises(ValueError, match="A_log must be a tensor of HV=4 elements"):
+        getattr(kernels, op)(q, k, v, g, beta, cu_seqlens=cu, use_gate_in_kernel=True, A_log=torch.zeros(3))
+
+
+# ---- gated RMSNorm -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_gated_rms_norm_torch(activation):
+    gen = torch.Generator().manual_seed(SEED)
+    x, gate = (torch.randn(1, 7, 3, 8, generator=gen, dtype=torch.float64) for _ in range(2))
+    weight = torch.rand(8, generator=gen, dtype=torch.float64) + 0.5
+    y = kernels.gated_rms_norm(x, gate, weight, 1e-6, activation)
+    act = F.silu(gate) if activation == "silu" else torch.sigmoid(gate)
+    expected = x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt() * weight * act
+    assert rel_err(y, expected) <= 1e-14
+    assert kernels.gated_rms_norm(x.bfloat16(), gate.bfloat16(), weight.bfloat16(), 1e-6, activation).dtype == torch.bfloat16
+
+
+def test_gated_rms_norm_refuses_bad_arguments():
+    x = torch.randn(2, 4)
+    with pytest.raises(ValueError, match="backend must be None or one of"):
+        kernels.gated_rms_norm(x, x, torch.ones(4), 1e-6, "silu", backend="triton")
+    with pytest.raises(ValueError, match="backend 'fla' runs fla's GPU kernel and needs CUDA tensors"):
+        kernels.gated_rms_norm(x, x, torch.ones(4), 1e-6, "silu", backend="fla")
+    with pytest.raises(ValueError, match="activation must be one of"):
+        kernels.gated_rms_norm(x, x, torch.ones(4), 1e-6, "relu")
+
+
+# ---- float32 linear ------------------------------------------------------------------------
+
+def test_float32_linear_torch_is_the_upcast_linear():
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(1, 5, 8, generator=gen).bfloat16()
+    weight = torch.randn(3, 8, generator=gen).bfloat16()
+    y = kernels.float32_linear(x, weight)
+    assert y.dtype == torch.float32 and torch.equal(y, F.linear(x.float(), weight.float()))
+    assert kernels.float32_linear(x.double(), weight).dtype == torch.float64
+
+
+def test_float32_linear_refuses_bad_arguments():
+    x, weight = torch.randn(2, 4), torch.randn(3, 4)
+    with pytest.raises(ValueError, match="backend 'bf16_split' needs CUDA tensors"):
+        kernels.float32_linear(x, weight, "bf16_split")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.float32_linear(x, weight, "tf32")
+    with pytest.raises(ValueError, match=r"weight must be \[out, 4\]"):
+        kernels.float32_linear(x, torch.randn(3, 5))

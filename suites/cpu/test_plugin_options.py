@@ -120,7 +120,7 @@ def test_ini_keys_and_precedence(pytester):
     pytester.makeconftest("""
 def pytest_sessionstart(session):
     import pytest_linattn.plugin as p
-    print("RESOLVED", p._value(session.config, "device"), p._value(session.config, "timeout"))
+    print("RESOLVED", p.option_value(session.config, "device"), p.option_value(session.config, "timeout"))
 """)
     result = pytester.runpytest("--co", "-q", "-s")
     assert "test_tp[tp4]" in _ids(result) and "test_both[tp4-cp1]" in _ids(result)
@@ -208,7 +208,9 @@ def test_world():
     result = pytester.runpytest("--linattn-device", "auto", "-rs")
     result.assert_outcomes(skipped=1, passed=1)  # auto with no GPU: world_size runs on CPU
     result.stdout.fnmatch_lines(["*needs 2 GPU(s) (gpus(2)); this machine has 0*"])
-    result = pytester.runpytest("--linattn-device", "cuda", "-rs")
+    # in a subprocess: on CUDA the plugin imports triton (autotune), whose C extension must not be
+    # loaded inside pytester's in-process run (it drops the modules, not the extension, afterwards)
+    result = pytester.runpytest_subprocess("--linattn-device", "cuda", "-rs")
     result.assert_outcomes(skipped=2)
     result.stdout.fnmatch_lines(["*needs 2 GPU(s) (world_size(2)); this machine has 0*"])
 

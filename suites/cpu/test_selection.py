@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 
 from linattn import selection
-from linattn.selection import Facts, choose_gdn_route, choose_kda_tilelang, choose_short_conv_backend
+from linattn.selection import (Facts, choose_gate_norm_backend, choose_gdn_route, choose_kda_tilelang,
+                               choose_short_conv_backend)
 
 BLACKWELL = dict(cuda_available=True, capability=(10, 0), triton_version="3.6.0")
 HOPPER = dict(cuda_available=True, capability=(9, 0), triton_version="3.6.0")
@@ -84,6 +85,22 @@ def test_gdn_route_per_triton_band_on_hopper(triton_version, route):
     assert choose_gdn_route(Facts(**{**HOPPER, "triton_version": triton_version})).value == route
 
 
+def test_gdn_route_direct_for_a_forward_only_call():
+    # fla refuses only the backward: a call that records no gradient runs the gated delta rule
+    assert choose_gdn_route(Facts(**HOPPER), needs_backward=True).value == "kda"
+    assert choose_gdn_route(Facts(**HOPPER), needs_backward=False).value == "gated_delta_rule"
+
+
+@pytest.mark.parametrize("facts, value", [
+    (Facts(**HOPPER, fla_installed=True), "fla"),
+    (Facts(**BLACKWELL, fla_installed=True), "fla"),
+    (Facts(**HOPPER, fla_installed=False), "torch"),
+    (Facts(fla_installed=True), "torch"),  # a CPU: fla's kernels cannot run
+])
+def test_gate_norm_backend(facts, value):
+    assert choose_gate_norm_backend(facts).value == value
+
+
 @pytest.mark.parametrize("base", [BLACKWELL, AMPERE], ids=["blackwell", "ampere"])
 def test_gdn_route_direct_off_hopper(base):
     assert choose_gdn_route(Facts(**base)).value == "gated_delta_rule"
@@ -118,7 +135,8 @@ def fresh_wrappers(monkeypatch):
         # also undoing what kda_tilelang_setting writes into os.environ
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
-    wrappers = (selection.short_conv_backend, selection.kda_tilelang_setting, selection.gdn_route)
+    wrappers = (selection.short_conv_backend, selection.kda_tilelang_setting, selection.gdn_route,
+                selection.gate_norm_backend)
     for wrapper in wrappers:
         wrapper.cache_clear()
     yield

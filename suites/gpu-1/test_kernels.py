@@ -146,3 +146,23 @@ def test_gdn_direct_backward_is_refused_where_selection_says_so():
                                     route="gated_delta_rule")
     with pytest.raises(RuntimeError, match="3.7.1"):
         grads_of([o, s], cotangents, ours)
+
+
+# ---- float32 linear on bf16 tensor cores ------------------------------------------------------
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_float32_linear_bf16_split_keeps_float32_precision(x_dtype):
+    # KDA's gate projections: x bf16 (f_a_proj) or float32 (f_b_proj's input), weights bf16
+    gen = torch.Generator().manual_seed(SEED)
+    T, IN, OUT = 2048, 256, 1024
+    (x, weight), (x64, w64) = leaves([draw((1, T, IN), gen), draw((OUT, IN), gen) / IN ** 0.5], [x_dtype, DTYPE])
+    y = kernels.float32_linear(x, weight, "bf16_split")
+    assert y.dtype == torch.float32
+    dy = draw((1, T, OUT), gen)
+    grads = grads_of([y], [dy.to(DEVICE)], [x, weight])
+    grads_ref = grads_of([x64 @ w64.T], [dy.to(DEVICE)], [x64, w64])
+    assert_parity(y, x64 @ w64.T, rtol=1e-5, name="float32_linear y")
+    # each gradient is exact to float32 precision, then rounded to its input's dtype
+    for name, grad, grad_ref, dtype in zip(("dx", "dweight"), grads, grads_ref, (x_dtype, DTYPE)):
+        assert grad.dtype == dtype
+        assert_parity(grad, grad_ref, rtol=1e-5 if dtype == torch.float32 else 2 ** -8, name=f"float32_linear {name}")

@@ -1,9 +1,8 @@
 """CP=2 ops over NCCL in bf16 against the float64 reference on the full batch (<= 2e-2).
 
-Two paths per case: "fla" (string ops and the default conv: fla's chunk kernels and causal conv
-with an fla CP context) and "exchange" (kernel callables: our halo all-gather and rank-to-rank
-state passing around fla's single-GPU kernels). Both layouts; zigzag goes through the
-all-to-all relayout.
+Two backends per case: "fla" (fla's chunk kernels and causal conv with an fla CP context) and
+"exchange" (our halo all-gather and rank-to-rank state passing around fla's single-GPU kernels).
+Both layouts; zigzag goes through the all-to-all relayout.
 """
 
 import pytest
@@ -57,14 +56,12 @@ def _leaf(t, device):
 def _run_cp_cases(cases):
     import torch.distributed as dist
 
-    import linattn.kernels as kernels
-
     device = torch.device("cuda", torch.cuda.current_device())
     rank, size = dist.get_rank(), dist.get_world_size()
     results = []
     for case in cases:
         cu, layout = case["cu"], case["layout"]
-        ctx = cp.build_context(cu.to(device), T, None, layout)
+        ctx = cp.build_context(cu.to(device), dist.group.WORLD, layout, total_tokens=T)
 
         def shard(t):
             return shard_tokens(t, cu, rank, size, layout).to(device)
@@ -74,15 +71,16 @@ def _run_cp_cases(cases):
             c = case["conv"]
             x = _leaf(shard(c["x"]), device)
             weight, bias = _leaf(c["weight"], device), _leaf(c["bias"], device)
-            conv_fn = None if path == "fla" else kernels.short_conv
-            y = cp.short_conv(x, weight, bias, "silu", ctx, conv_fn=conv_fn)
+            y = ctx.relayout.from_contiguous(
+                cp.short_conv(ctx.relayout.to_contiguous(x), weight, bias, "silu", backend=path, cp_context=ctx))
             (y * shard(c["dy"])).sum().backward()
             out[(path, "conv")] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
             for op in OPS:
                 t = case[op]
                 ins = {n: _leaf(shard(t[n]), device) for n in ("q", "k", "v", "g", "beta")}
-                fn = op if path == "fla" else getattr(kernels, op)
-                o = cp.delta_rule(fn, *ins.values(), None, True, ctx)
+                o = cp.delta_rule(*ctx.relayout.to_contiguous(*ins.values()), op=op, use_qk_l2norm=True,
+                                  backend=path, cp_context=ctx)
+                o = ctx.relayout.from_contiguous(o)
                 (o * shard(t["do"])).sum().backward()
                 out[(path, op)] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
         results.append(out)

@@ -1,5 +1,5 @@
 """CP = 2 over NCCL: bf16 layers on two GPUs (fla's chunk kernels and causal conv with an fla CP
-context, linattn.parallel.cp_fla) against the float64 replicated layer on the CPU, same weights
+context, linattn.parallel.cp.fla) against the float64 replicated layer on the CPU, same weights
 and inputs, in the contiguous and the zigzag layout: output, dx and every parameter gradient
 (summed over the CP ranks) <= 2e-2 relative. One spawn call per family runs every case; cases are
 suites/layer_parity.py's, the checks the public harness's (pytest_linattn.sharded_parity).

@@ -1,0 +1,72 @@
+"""A linear layer with float32 output for bf16 weights: one entry, backends as a parameter.
+
+KDA's gate is computed in float32 from its input projections on (see kimi_delta_attention.py).
+"torch" upcasts both operands and runs a float32 matmul (any device; on CUDA without TF32 that
+runs at a fraction of bf16 tensor-core speed). "bf16_split" runs bf16 tensor-core matmuls with
+float32 accumulation and float32 output (`torch.mm(..., out_dtype=torch.float32)`, CUDA only): a
+bf16 operand is exact there, and a float32 operand is split into two bf16 parts, hi + lo with
+|lo| <= 2^-8 |hi|, so the product keeps about 2^-16 relative precision instead of bf16's 2^-8.
+Gradients: the incoming float32 gradient is split the same way; each result is float32 (x's and
+the weight's gradients are rounded to their own dtype by autograd afterwards).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from linattn.checks import require
+
+BACKENDS = ("torch", "bf16_split")
+
+
+def float32_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """x `[..., in]` @ weight `[out, in]`.T in float32 precision, returned in float32 (float64
+    stays float64 with the "torch" backend)."""
+    require(backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {backend!r}")
+    require(weight.dim() == 2 and x.shape[-1] == weight.shape[1], "weight",
+            f"must be [out, {x.shape[-1]}], got shape {tuple(weight.shape)}")
+    if backend == "torch":
+        up = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
+        return F.linear(x.to(up), weight.to(up))
+    require(x.is_cuda and weight.is_cuda, "backend", f"'bf16_split' needs CUDA tensors, got {x.device}")
+    require(weight.dtype in (torch.bfloat16, torch.float32), "weight",
+            f"must be bf16 or float32 for 'bf16_split', got {weight.dtype}")
+    return _Bf16SplitLinear.apply(x, weight)
+
+
+def _parts(t: torch.Tensor) -> list[torch.Tensor]:
+    """bf16 parts summing to t to about 2^-16 relative: t itself when bf16, else hi and lo."""
+    if t.dtype == torch.bfloat16:
+        return [t]
+    hi = t.bfloat16()
+    return [hi, (t - hi.float()).bfloat16()]
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Sum over the parts of a and b of bf16 matmuls with float32 output (the lo x lo term,
+    2^-16 of the result, is left out)."""
+    pa, pb = _parts(a), _parts(b)
+    out = torch.mm(pa[0], pb[0], out_dtype=torch.float32)
+    for extra_a, extra_b in ((pa[1:], pb[:1]), (pa[:1], pb[1:])):
+        for ta in extra_a:
+            for tb in extra_b:
+                out += torch.mm(ta, tb, out_dtype=torch.float32)
+    return out
+
+
+class _Bf16SplitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        x2 = x.reshape(-1, x.shape[-1])
+        return _mm(x2, weight.t()).view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight = ctx.saved_tensors
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            dx = _mm(dy2, weight).view(x.shape).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dw = _mm(dy2.t(), x.reshape(-1, x.shape[-1])).to(weight.dtype)
+        return dx, dw

@@ -1,0 +1,87 @@
+"""CP (gated) delta rule: the recurrent state of a sequence that crosses a rank boundary is passed
+along the ranks (receive, run the piece, send the final state); backward passes ``dS`` back the
+same way. Only boundaries crossed by a sequence exchange anything (every rank knows which from
+the global ``cu_seqlens``), so unrelated pieces never wait on each other."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from linattn import kernels
+from linattn.checks import require
+
+from . import fla as fla_backend
+from .comm import global_rank, grad_anchor, receive_state_from_previous_rank, send_state_to_next_rank
+from .context import CPContext, check_call
+
+OPS = ("gated_delta_rule", "kda")
+
+__all__ = ["OPS", "delta_rule"]
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    op: str,
+    scale: float | None = None,
+    use_qk_l2norm: bool = False,
+    backend: str | None = None,
+    piece_op: Callable | None = None,
+    cp_context: CPContext,
+) -> torch.Tensor:
+    """Output ``[1, T_local, HV, V]`` of the (gated) delta rule over this rank's contiguous piece,
+    with the recurrent state of sequences crossing rank boundaries carried exactly (forward and
+    backward).
+
+    op: ``"gated_delta_rule"`` (g ``[1, T, HV]``) or ``"kda"`` (g ``[1, T, HV, K]``), the
+    ``linattn.kernels`` entry names.
+    backend: ``"exchange"`` passes the state rank to rank around ``piece_op``; ``"fla"`` runs fla's
+    chunk kernels with an fla CP context. None: ``"fla"`` for CUDA tensors of a CP group, else
+    ``"exchange"``.
+    piece_op: the single-process op of ``"exchange"``, with ``linattn.kernels``' signature;
+    default the ``linattn.kernels`` entry named ``op``.
+    """
+    require(op in OPS, "op", f"must be one of {OPS}, got {op!r}")
+    check_call(cp_context, backend, piece_op)
+    ctx = cp_context
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        require(t.dim() >= 3 and t.shape[0] == 1 and t.shape[1] == ctx.local_tokens, name,
+                f"must be this rank's packed piece [1, T_local={ctx.local_tokens}, ...], got shape {tuple(t.shape)}")
+    if backend is None:
+        backend = "fla" if q.is_cuda and ctx.group is not None else "exchange"
+    if backend == "fla":
+        return fla_backend.delta_rule(q, k, v, g, beta, op=op, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                                      cp_context=ctx)
+
+    fn = piece_op or getattr(kernels, op)
+    HV, K, V = v.shape[2], q.shape[3], v.shape[3]
+    # the state travels in float64 for float64 runs, float32 otherwise (fla's state dtype)
+    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    num_seqs = ctx.local_cu_seqlens.numel() - 1
+    anchor = grad_anchor(q.device)
+    initial_state = None
+    if ctx.first_seq_continues:
+        src = global_rank(ctx.group, ctx.cp_rank - 1)
+        upstream = [t for t in (q, k, v, g, beta) if t.requires_grad]
+        state_in = receive_state_from_previous_rank((HV, K, V), state_dtype, q.device, ctx.group, src,
+                                                    anchor, *upstream)
+        rest = state_in.new_zeros((num_seqs - 1, HV, K, V))
+        initial_state = torch.cat([state_in.unsqueeze(0), rest], dim=0)
+    o, final_state = fn(
+        q, k, v, g, beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=ctx.last_seq_continues,
+        cu_seqlens=ctx.local_cu_seqlens_on(q.device),
+        use_qk_l2norm=use_qk_l2norm,
+    )
+    if ctx.last_seq_continues:
+        dst = global_rank(ctx.group, ctx.cp_rank + 1)
+        o = send_state_to_next_rank(final_state[-1].to(state_dtype), o, anchor, ctx.group, dst)
+    return o

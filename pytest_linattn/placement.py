@@ -1,0 +1,128 @@
+"""Where a sharded layer runs (`Placement`) and which tokens of a packed batch each rank holds.
+
+Ranks: global rank = tp_rank + tp * (cp_rank + cp * dp_rank) (Megatron's order, as
+`linattn.parallel.new_groups`); a client that makes its own groups must lay them out the same way.
+
+Token layout (computed here from this definition, not by the library under test, so a layout
+bug shared by a layer and its helpers still shows). T = cu_seqlens[-1]:
+    contiguous  CP rank r holds tokens [r*T/cp, (r+1)*T/cp)
+    zigzag      every sequence is cut into 2*cp equal chunks; CP rank r holds chunks r and
+                2*cp-1-r of each sequence, sequences in order
+    SP          the CP rank's tokens are cut again into tp contiguous slices; TP rank t holds
+                slice t. Without SP every TP rank holds its CP rank's tokens (each is checked).
+
+This module imports no pytest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .seqlens import LAYOUTS, cu_seqlens_bounds
+
+__all__ = ["LAYOUTS", "Placement", "as_cu_seqlens", "check_fits", "default_process_groups", "positive_int",
+           "rank_token_index"]
+
+
+def positive_int(value, what: str) -> int:
+    """value, unless it is not an int >= 1: ValueError naming `what`."""
+    __tracebackhide__ = True
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive int, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a sharded layer runs: TP size, CP size and layout, sequence parallel on/off."""
+
+    tp: int = 1
+    cp: int = 1
+    cp_layout: str = "contiguous"
+    sequence_parallel: bool = False
+
+    def __post_init__(self):
+        positive_int(self.tp, "Placement.tp")
+        positive_int(self.cp, "Placement.cp")
+        if self.cp_layout not in LAYOUTS:
+            raise ValueError(f"Placement.cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ValueError(f"Placement.sequence_parallel must be a bool, got {self.sequence_parallel!r}")
+        if self.sequence_parallel and self.tp == 1:
+            raise ValueError("Placement.sequence_parallel needs tp > 1 (SP splits tokens over the TP group)")
+
+    @property
+    def size(self) -> int:
+        """Ranks one copy of the layer spans: tp * cp."""
+        return self.tp * self.cp
+
+    @property
+    def name(self) -> str:
+        """`tp2-sp/cp2-zigzag`, `tp4`, `cp2-contiguous`; `replicated` for one rank."""
+        parts = []
+        if self.tp > 1:
+            parts.append(f"tp{self.tp}" + ("-sp" if self.sequence_parallel else ""))
+        if self.cp > 1:
+            parts.append(f"cp{self.cp}-{self.cp_layout}")
+        return "/".join(parts) or "replicated"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def default_process_groups(placement: Placement):
+    """(tp_group, cp_group) of this rank from `linattn.parallel.new_groups` (None for a size of 1)."""
+    from linattn.parallel import new_groups
+
+    return new_groups(placement.tp, placement.cp)
+
+
+def as_cu_seqlens(cu_seqlens) -> torch.Tensor:
+    """cu_seqlens (a tensor or a list) as an int32 tensor; ValueError unless it is a packing."""
+    __tracebackhide__ = True
+    cu = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else torch.as_tensor(cu_seqlens)
+    cu_seqlens_bounds(cu)
+    return cu.to(torch.int32)
+
+
+def check_fits(bounds: list[int], placement: Placement) -> None:
+    """ValueError unless the packing `bounds` can be laid out for `placement`."""
+    __tracebackhide__ = True
+    T, cp, tp = bounds[-1], placement.cp, placement.tp
+    if placement.cp_layout == "contiguous" and T % cp:
+        raise ValueError(f"cu_seqlens: contiguous CP needs the total token count divisible by cp: {T} % {cp} != 0")
+    if placement.cp_layout == "zigzag":
+        for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
+            if (end - start) % (2 * cp):
+                raise ValueError(f"cu_seqlens: zigzag CP needs every sequence length divisible by 2*cp={2 * cp}; "
+                                 f"sequence {i} has {end - start} tokens")
+    if placement.sequence_parallel and (T // cp) % tp:
+        raise ValueError(f"cu_seqlens: sequence parallel needs each CP rank's token count divisible by tp: "
+                         f"{T // cp} % {tp} != 0")
+
+
+def rank_token_index(cu_seqlens, placement: Placement, tp_rank: int = 0, cp_rank: int = 0) -> torch.Tensor:
+    """Global token indices (int64) that rank (tp_rank, cp_rank) holds, in its local order (the
+    module docstring's layout). ValueError when the packing does not fit the placement."""
+    cu = as_cu_seqlens(cu_seqlens)
+    bounds = [int(b) for b in cu.tolist()]
+    check_fits(bounds, placement)
+    tp, cp = placement.tp, placement.cp
+    if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp and isinstance(cp_rank, int) and 0 <= cp_rank < cp):
+        raise ValueError(f"rank_token_index: tp_rank must be in [0, {tp}) and cp_rank in [0, {cp}), got {tp_rank!r}, {cp_rank!r}")
+    if placement.cp_layout == "contiguous":
+        n = bounds[-1] // cp
+        index = torch.arange(cp_rank * n, (cp_rank + 1) * n)
+    else:
+        pieces = [torch.zeros(0, dtype=torch.int64)]
+        for start, end in zip(bounds, bounds[1:]):
+            chunk = (end - start) // (2 * cp)
+            for c in (cp_rank, 2 * cp - 1 - cp_rank):
+                pieces.append(torch.arange(start + c * chunk, start + (c + 1) * chunk))
+        index = torch.cat(pieces)
+    if placement.sequence_parallel:
+        n = index.numel() // tp
+        index = index[tp_rank * n:(tp_rank + 1) * n]
+    return index

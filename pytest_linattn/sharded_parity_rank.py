@@ -1,0 +1,87 @@
+"""What a rank of a sharded-parity spawn runs: build the sharded layer, load its shard of the
+weights, run forward and backward on the rank's tokens; the test process
+(`pytest_linattn.sharded_parity`) puts the results back together. This module imports no pytest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from .placement import Placement, rank_token_index
+
+if TYPE_CHECKING:
+    from .sharded_parity import ParityCase, ShardedLayer
+
+__all__ = ["RankCase", "run_cases_on_rank"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankCase:
+    """What a rank needs of a ParityCase (the reference stays in the test process)."""
+
+    layer: ShardedLayer
+    placement: Placement
+    weights: dict
+    cu_seqlens: torch.Tensor
+    x: torch.Tensor
+    dy: torch.Tensor
+    dtype: torch.dtype
+
+    @classmethod
+    def of(cls, case: ParityCase) -> RankCase:
+        weights = {n: p.detach() for n, p in case.reference.named_parameters()}
+        return cls(case.layer, case.placement, weights, case.cu_seqlens, case.x, case.dy, case.dtype)
+
+
+def run_cases_on_rank(cases: Sequence[RankCase]):
+    """Rank function (for spawn): this rank's (y, dx, parameter grads) of every case.
+
+    Cases run grouped by (process_groups, tp, cp), in first-appearance order, so a client with
+    global parallel state initialises it once per group of cases."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    order: dict[tuple, list[int]] = {}
+    for i, c in enumerate(cases):
+        order.setdefault((c.layer.process_groups, c.placement.tp, c.placement.cp), []).append(i)
+    results = [None] * len(cases)
+    for (make_groups, _, _), indices in order.items():
+        groups = make_groups(cases[indices[0]].placement)
+        for i in indices:
+            results[i] = _run_case(cases[i], groups, rank, device)
+    return results
+
+
+def _load(module: torch.nn.Module, local: dict) -> None:
+    params = dict(module.named_parameters())
+    missing, unexpected = sorted(params.keys() - local.keys()), sorted(local.keys() - params.keys())
+    if missing or unexpected:
+        raise ValueError(f"ShardedLayer.shard must return exactly the built module's parameters: "
+                         f"missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for n, param in params.items():
+            if tuple(local[n].shape) != tuple(param.shape):
+                raise ValueError(f"ShardedLayer.shard gave {n} shape {tuple(local[n].shape)}; "
+                                 f"the built module's parameter has {tuple(param.shape)}")
+            param.copy_(local[n])
+
+
+def _run_case(case: RankCase, groups, rank: int, device):
+    p = case.placement
+    tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
+    module = case.layer.build(p, groups, case.dtype, device)
+    _load(module, case.layer.shard(case.weights, p, tp_rank))
+    index = rank_token_index(case.cu_seqlens, p, tp_rank, cp_rank)
+    x = case.x[:, index].to(device, case.dtype).requires_grad_()
+    dy = case.dy[:, index].to(device, case.dtype)
+    cu = case.cu_seqlens.to(device)
+    y = case.layer.forward(module, x, cu, p) if case.layer.forward else module(x, cu)
+    (y * dy).sum().backward()
+    if case.layer.after_backward is not None:
+        case.layer.after_backward(module, p)
+    return y.detach(), x.grad, {n: q.grad for n, q in module.named_parameters()}

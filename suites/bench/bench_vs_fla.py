@@ -1,0 +1,214 @@
+"""The project's layer beside fla's own layer of the same family and sizes, timed interleaved.
+
+    python suites/bench/bench_vs_fla.py [--shapes prod] [--tokens 4k,16k,64k] [--iters 10]
+        [--warmup 3] [--autotune first|shipped|search] [--json FILE] [--device auto|cpu|cuda]
+
+KDA shapes run against `fla.layers.KimiDeltaAttention`, GDN shapes against `fla.layers.GatedDeltaNet`
+(fla's weight layout is Qwen3.5's; the project's qwen3-next layer gets the same weights through
+`qwen3_next_to_qwen3_5`). Both layers get the same weights and input; the `out err` column is their
+outputs' relative difference, so a row times two layers computing the same function.
+
+A row is forward + backward, each layer's median over --iters rounds after --warmup untimed ones
+(the first compiles; `_timing.measure_interleaved`: a round runs both layers, in rotated order). `GiB` is a step's peak
+memory above what was allocated before it (the step's activations, gradients and workspace; the
+weights and the input are resident for both). Where fla refuses GDN's backward
+(`linattn.selection.choose_gdn_route`), GDN rows time the forward only, for both layers, and the
+`step` column says so.
+
+Kernel configs (--autotune, `pytest_linattn.autotune`): `first` (default) gives every Triton
+kernel its first config, no search, so both layers run the same kernels with the same configs;
+`search` is Triton's autotune (minutes per shape on a fresh machine); `shipped` reads the
+configs shipped for the GPU. The header names the mode. On a CPU (a smoke run) fla's layers run
+under `linattn.emulation.fla_on_cpu` and the times mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+
+import torch
+
+from _common import cu_seqlens, make_config, parse_shapes, parse_tokens, tokens_label  # sets sys.path
+from _timing import measure_interleaved, peak_gib, reset_peak
+from layer_parity import random_state_dict
+from linattn import selection
+from linattn.layers import build_layer, qwen3_next_to_qwen3_5, to_fla_state_dict
+from pytest_linattn import autotune
+
+GIB = 2 ** 30
+
+
+def fla_layer_for(config, state_dict, dtype, device):
+    """fla's layer of config's family and sizes, holding state_dict's weights."""
+    from fla.layers import GatedDeltaNet, KimiDeltaAttention
+
+    sizes = dict(hidden_size=config.hidden_size, head_dim=config.head_k_dim, num_heads=config.num_k_heads,
+                 num_v_heads=config.num_v_heads, expand_v=config.head_v_dim / config.head_k_dim,
+                 conv_size=config.conv_size, norm_eps=config.norm_eps, mode="chunk")
+    if config.family == "kda":
+        layer = KimiDeltaAttention(**sizes, lower_bound=config.gate_lower_bound)
+        fla_state = to_fla_state_dict(state_dict, config)
+    else:
+        layer = GatedDeltaNet(**sizes, use_gate=True)
+        as_qwen3_5 = dataclasses.replace(config, family="qwen3_5")
+        if config.family == "qwen3_next":
+            state_dict = qwen3_next_to_qwen3_5(state_dict, config)
+        fla_state = to_fla_state_dict(state_dict, as_qwen3_5)
+    layer = layer.to(device=device, dtype=dtype)
+    layer.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in fla_state.items()})
+    return layer
+
+
+def layer_calls(call, params, x, dy, backward: bool):
+    """(fwd, bwd, reset) for `_timing.measure_interleaved`: a fresh input leaf and no gradients
+    before every step; forward only runs under no_grad."""
+    leaf = [x]
+
+    def reset():
+        for p in params:
+            p.grad = None
+        leaf[0] = x.detach().requires_grad_(backward)
+
+    def fwd():
+        if backward:
+            return call(leaf[0])
+        with torch.no_grad():
+            return call(leaf[0])
+
+    return fwd, (lambda out: out.backward(dy)) if backward else None, reset
+
+
+def step_peak_gib(fwd, bwd, reset, device) -> float | None:
+    """Peak memory of one step above what was allocated before it (None on a CPU)."""
+    if device.type != "cuda":
+        return None
+    reset()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    reset_peak(device)
+    out = fwd()
+    if bwd is not None:
+        bwd(out)
+    del out
+    return peak_gib(device) - base / GIB
+
+
+def run_row(shape, T, args, device, dtype, gdn_forward_only) -> dict:
+    config = make_config(shape)
+    state_dict = random_state_dict(config, args.seed, fla_init=True)
+    ours = build_layer(config, dtype=dtype, device=device)
+    ours.load_state_dict({n: t.to(device=device, dtype=dtype) for n, t in state_dict.items()})
+    theirs = fla_layer_for(config, state_dict, dtype, device)
+    gen = torch.Generator().manual_seed(args.seed + T)
+    x = torch.randn(1, T, config.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    dy = torch.randn(1, T, config.hidden_size, generator=gen).to(device=device, dtype=dtype)
+    cu = cu_seqlens(T, args.seqs).to(device)
+    cu_long = cu.long()
+    backward = not (args.forward_only or (config.family != "kda" and gdn_forward_only))
+    calls = {"ours": layer_calls(lambda h: ours(h, cu), list(ours.parameters()), x, dy, backward),
+             "fla": layer_calls(lambda h: theirs(h, cu_seqlens=cu_long)[0], list(theirs.parameters()), x, dy, backward)}
+    with torch.no_grad():
+        y_ours, y_fla = ours(x, cu).double(), theirs(x, cu_seqlens=cu_long)[0].double()
+    out_err = ((y_ours - y_fla).norm() / y_fla.norm()).item()
+    del y_ours, y_fla
+    timed = measure_interleaved(calls, iters=args.iters, warmup=args.warmup, device=device)
+    for name, result in timed.items():
+        if isinstance(result, BaseException):
+            raise result
+    key = "ms" if backward else "fwd_ms"
+    ms, fla_ms = timed["ours"][key], timed["fla"][key]
+    gib, fla_gib = (step_peak_gib(*calls[name], device) for name in ("ours", "fla"))
+    row = dict(shape=shape, family=config.family, tokens=T, step="fwd+bwd" if backward else "fwd only",
+               ms=ms, fla_ms=fla_ms, time_ratio=ms / fla_ms, gib=gib, fla_gib=fla_gib,
+               memory_ratio=gib / fla_gib if gib is not None else None, out_err=out_err)
+    del ours, theirs, calls, x, dy
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    return row
+
+
+def write_json(path, header, rows, *, complete: bool) -> None:
+    """After every row (a run cut short keeps what it measured) and once complete."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(dict(header=header, rows=rows, complete=complete), f, indent=1)
+
+
+def gib(value) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
+def ratio(value) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_table(rows, header) -> None:
+    print(header)
+    cols = ["shape", "tokens", "step", "ours ms", "fla ms", "time x", "ours GiB", "fla GiB", "mem x", "out err"]
+    lines = [cols] + [[r["shape"], tokens_label(r["tokens"]), r["step"], f"{r['ms']:.2f}", f"{r['fla_ms']:.2f}",
+                       f"{r['time_ratio']:.3f}", gib(r["gib"]), gib(r["fla_gib"]), ratio(r["memory_ratio"]),
+                       f"{r['out_err']:.1e}"] for r in rows]
+    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
+    for line in lines:
+        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shapes", default="prod")
+    parser.add_argument("--tokens", default="4k,16k,64k")
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--seqs", type=int, default=1, help="equal-length packed sequences per batch")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    parser.add_argument("--autotune", choices=autotune.MODES, default="first",
+                        help="kernel configs on CUDA (pytest_linattn.autotune); default first: no search")
+    parser.add_argument("--forward-only", action="store_true", help="time every row's forward only (no grad)")
+    parser.add_argument("--json", metavar="FILE")
+    args = parser.parse_args(argv)
+    if args.iters < 1 or args.warmup < 0 or args.seqs < 1:
+        parser.error("--iters must be >= 1, --warmup >= 0, --seqs >= 1")
+    if args.device == "auto":
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        dtype, emulation = torch.bfloat16, contextlib.nullcontext()
+        plan = autotune.apply(args.autotune)
+        configs = f"kernel configs: --autotune {args.autotune} ({plan.describe()})"
+        gdn_forward_only = selection.choose_gdn_route(selection.read_facts()).value == "kda"
+        name = torch.cuda.get_device_name()
+    else:
+        from linattn.emulation import fla_on_cpu
+
+        dtype, emulation, configs = torch.float32, fla_on_cpu(), "CPU smoke run: fla's layers under fla_on_cpu"
+        gdn_forward_only, name = False, "cpu"
+    header = (f"bench_vs_fla on {name}, {str(dtype).removeprefix('torch.')}, {args.seqs} sequence(s) per batch; "
+              f"{configs}; GDN: {'forward only (fla refuses its backward here)' if gdn_forward_only else 'forward + backward'}")
+    print(header, flush=True)
+    rows = []
+    with emulation:
+        for shape in parse_shapes(args.shapes):
+            for T in parse_tokens(args.tokens):
+                try:
+                    rows.append(run_row(shape, T, args, device, dtype, gdn_forward_only))
+                except torch.OutOfMemoryError:
+                    print(f"{shape} {tokens_label(T)}: OOM", flush=True)
+                    torch.cuda.empty_cache()
+                    continue
+                r = rows[-1]
+                print(f"{shape} {tokens_label(T)} {r['step']}: ours {r['ms']:.2f} ms / fla {r['fla_ms']:.2f} ms = "
+                      f"{r['time_ratio']:.3f}; {gib(r['gib'])} / {gib(r['fla_gib'])} GiB = {ratio(r['memory_ratio'])}; "
+                      f"out err {r['out_err']:.1e}", flush=True)
+                write_json(args.json, header, rows, complete=False)
+    write_json(args.json, header, rows, complete=True)
+    print_table(rows, header)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
