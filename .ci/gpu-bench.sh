@@ -10,7 +10,8 @@
 #   run   the breakdown (GPU 0) beside the kernel table (GPU 1), then the layer table (TP/CP 1, 2
 #         and, on four GPUs, 4); JSON and logs in $OUT/bench/ (plots, anywhere:
 #         python suites/bench/plot.py JSON... --out DIR). LINATTN_BENCH_STAGES="layers
-#         kernels" runs those stages one after another instead, nothing beside them.
+#         kernels" runs those stages one after another instead, nothing beside them; "vs_fla" is the
+#         project's layers beside fla's (bench_vs_fla.py), run only when named.
 set -uo pipefail
 OUT=${OUT:-reports/gpu}
 B=suites/bench
@@ -41,17 +42,22 @@ run)
     timeout -k 15 "$limit" python3 "$B/$@" --json "$R/$name.json" >> "$R/$name.log" 2>&1; echo "rc=$?" >> "$R/$name.log"
   }
   # LINATTN_BENCH_STAGES picks the stages, in order ("layers kernels": one at a time, nothing beside).
+  # LINATTN_BENCH_AUTOTUNE: the scripts' --autotune (default search; first: no search, for a
+  # fresh machine without a carried cache).
+  AT="--autotune ${LINATTN_BENCH_AUTOTUNE:-search}"
   breakdown() { stage breakdown "${LINATTN_BREAKDOWN_LIMIT:-200}" bench_breakdown.py \
-    --shapes qwen3-next,kimi-k3,glm-5.3-flash --tokens 16k,64k; }
-  kernels() { stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 100; }
+    --shapes qwen3-next,kimi-k3,glm-5.3-flash --tokens 16k,64k $AT; }
+  vs_fla() { stage vs_fla "${LINATTN_VS_FLA_LIMIT:-300}" bench_vs_fla.py \
+    --shapes glm-5.3-flash,kimi-k3,qwen3-next --tokens $TOKENS $AT; }
+  kernels() { stage kernels "${LINATTN_KERNELS_LIMIT:-200}" bench_kernels.py --tp 1 --tokens $TOKENS --iters 100 $AT; }
   layers() { stage layers "${LINATTN_LAYERS_LIMIT:-300}" bench_layers.py --shapes "${LINATTN_LAYER_SHAPES:-qwen3-next,glm-5.3-flash,kimi-k3}" \
-    --tp $SIZES --cp $SIZES --world $WORLD --tokens $TOKENS; }
+    --tp $SIZES --cp $SIZES --world $WORLD --tokens $TOKENS $AT; }
   if [ -n "${LINATTN_BENCH_STAGES:-}" ]; then
     for s in $LINATTN_BENCH_STAGES; do
       case $s in
         layers) layers ;;
-        breakdown|kernels) CUDA_VISIBLE_DEVICES=0 "$s" ;;
-        *) echo "LINATTN_BENCH_STAGES: unknown stage '$s' (breakdown, kernels, layers)" >&2; exit 2 ;;
+        breakdown|kernels|vs_fla) CUDA_VISIBLE_DEVICES=0 "$s" ;;
+        *) echo "LINATTN_BENCH_STAGES: unknown stage '$s' (breakdown, kernels, layers, vs_fla)" >&2; exit 2 ;;
       esac
     done
   else

@@ -28,6 +28,7 @@ import torch  # noqa: E402
 from _timing import first_line, free_memory, is_oom  # noqa: E402
 from linattn.layers import LinearAttentionConfig  # noqa: E402
 from plot import plot, tokens_label  # noqa: E402
+from pytest_linattn import autotune  # noqa: E402
 from pytest_linattn.options import DEVICES  # noqa: E402
 from pytest_linattn.pool import PoolManager, RankFailure, launcher_world_size, run_on_ranks, to_cpu  # noqa: E402
 
@@ -108,6 +109,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="FILE", help="write the rows and the machine as JSON")
     parser.add_argument("--plot", metavar="DIR", help="write PNG plots (matplotlib, Agg) to DIR")
     parser.add_argument("--quick", action="store_true", help="the small set for one GPU call (~2-3 min)")
+    parser.add_argument("--autotune", choices=autotune.MODES, default="search",
+                        help="kernel configs on CUDA (pytest_linattn.autotune): search (default: Triton's "
+                        "autotune, the fastest config), shipped, or first (no search, minutes less on a "
+                        "fresh machine); the ranks a pool starts inherit it")
 
 
 def resolve_args(parser, argv, defaults: dict, quick: dict):
@@ -124,6 +129,8 @@ def resolve_args(parser, argv, defaults: dict, quick: dict):
         args.dtype = "bf16" if args.device == "cuda" else "fp32"
     if args.device == "cpu":
         torch.set_num_threads(args.threads)  # spawned CPU ranks get OMP_NUM_THREADS from the pool
+    else:
+        print(autotune.apply(args.autotune).describe(), flush=True)
     if args.iters < 1 or args.warmup < 0 or args.seqs < 1:
         parser.error("--iters must be >= 1, --warmup >= 0, --seqs >= 1")
     args.shape_list = parse_shapes(args.shapes)
@@ -247,6 +254,7 @@ def selection_choices() -> dict:
     return {name: {"value": choice.value, "reason": choice.reason} for name, choice in (
         ("short_conv_backend", selection.choose_short_conv_backend(facts)),
         ("gdn_route", selection.choose_gdn_route(facts)),
+        ("gate_norm", selection.choose_gate_norm_backend(facts)),
         ("kda_tilelang", selection.choose_kda_tilelang(facts)))}
 
 
