@@ -4,10 +4,11 @@ KDA's gate is computed in float32 from its input projections on (see kimi_delta_
 "torch" upcasts both operands and runs a float32 matmul (any device; on CUDA without TF32 that
 runs at a fraction of bf16 tensor-core speed). "bf16_split" runs bf16 tensor-core matmuls with
 float32 accumulation and float32 output (`torch.mm(..., out_dtype=torch.float32)`, CUDA only): a
-bf16 operand is exact there, and a float32 operand is split into two bf16 parts, hi + lo with
-|lo| <= 2^-8 |hi|, so the product keeps about 2^-16 relative precision instead of bf16's 2^-8.
-Gradients: the incoming float32 gradient is split the same way; each result is float32 (x's and
-the weight's gradients are rounded to their own dtype by autograd afterwards).
+bf16 operand is exact there, and a float32 input is split into two bf16 parts, hi + lo with
+|lo| <= 2^-8 |hi|, so the output keeps about 2^-16 relative precision instead of bf16's 2^-8.
+Gradients are bf16-precise: the incoming gradient is rounded to bf16 (exact where it comes from
+a bf16 kernel, as in the layers) and x enters the weight's gradient as its hi part; each result
+is rounded to its operand's dtype.
 """
 
 import torch
@@ -63,10 +64,11 @@ class _Bf16SplitLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         x, weight = ctx.saved_tensors
-        dy2 = dy.reshape(-1, dy.shape[-1])
+        dy2 = dy.reshape(-1, dy.shape[-1]).bfloat16()
+        w = weight.bfloat16()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = _mm(dy2, weight).view(x.shape).to(x.dtype)
+            dx = torch.mm(dy2, w, out_dtype=torch.float32).view(x.shape).to(x.dtype)
         if ctx.needs_input_grad[1]:
-            dw = _mm(dy2.t(), x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            dw = torch.mm(dy2.t(), x.reshape(-1, x.shape[-1]).bfloat16(), out_dtype=torch.float32).to(weight.dtype)
         return dx, dw

@@ -56,7 +56,12 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj).view(1, T, HV, dk)
         b = F.linear(x, self.b_proj.weight)
         if self._fuses_gate(x, cp_context):
-            o = self._delta_rule(q, k, v, f, b, cu_seqlens, **self._gate_in_kernel(self.config.gate_lower_bound))
+            # dt_bias added here in float32: the kernel then takes f + dt_bias rounded to the layer
+            # dtype once, after the cancellation, like fla's layer takes its bf16 f
+            f = (f + at_least_float32(self.dt_bias).view(HV, dk)).to(x.dtype)
+            gate = self._gate_in_kernel(self.config.gate_lower_bound)
+            gate["dt_bias"] = None
+            o = self._delta_rule(q, k, v, f, b, cu_seqlens, **gate)
         else:
             g = kernels.log_decay(f, self.A_log, self.dt_bias, self.config.gate_lower_bound)
             o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)

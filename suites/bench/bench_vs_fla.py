@@ -97,6 +97,28 @@ def step_peak_gib(fwd, bwd, reset, device) -> float | None:
     return peak_gib(device) - base / GIB
 
 
+def print_profile(title, fwd, bwd, reset, device, top: int) -> None:
+    """One step under torch.profiler: the `top` device kernels by total time, and the sum."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    reset()
+    with profile(activities=activities) as prof:
+        out = fwd()
+        if bwd is not None:
+            bwd(out)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    del out
+    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if device.type == "cuda" else "CPU")]
+    attr = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events.sort(key=lambda e: -getattr(e, attr))
+    total = sum(getattr(e, attr) for e in events) / 1e3
+    print(f"-- profile {title}: {len(events)} kernels, {total:.2f} ms in all", flush=True)
+    for e in events[:top]:
+        print(f"   {getattr(e, attr) / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:110]}", flush=True)
+
+
 def run_row(shape, T, args, device, dtype, gdn_forward_only) -> dict:
     config = make_config(shape)
     state_dict = random_state_dict(config, args.seed, fla_init=True)
@@ -122,6 +144,9 @@ def run_row(shape, T, args, device, dtype, gdn_forward_only) -> dict:
     key = "ms" if backward else "fwd_ms"
     ms, fla_ms = timed["ours"][key], timed["fla"][key]
     gib, fla_gib = (step_peak_gib(*calls[name], device) for name in ("ours", "fla"))
+    if args.profile:
+        for name in ("ours", "fla"):
+            print_profile(f"{shape} {tokens_label(T)} {name}", *calls[name], device, args.profile)
     row = dict(shape=shape, family=config.family, tokens=T, step="fwd+bwd" if backward else "fwd only",
                ms=ms, fla_ms=fla_ms, time_ratio=ms / fla_ms, gib=gib, fla_gib=fla_gib,
                memory_ratio=gib / fla_gib if gib is not None else None, out_err=out_err)
@@ -168,6 +193,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     parser.add_argument("--autotune", choices=autotune.MODES, default="first",
                         help="kernel configs on CUDA (pytest_linattn.autotune); default first: no search")
+    parser.add_argument("--profile", type=int, default=0, metavar="N",
+                        help="after each row, profile one step of each layer and print its N costliest kernels")
     parser.add_argument("--forward-only", action="store_true", help="time every row's forward only (no grad)")
     parser.add_argument("--json", metavar="FILE")
     args = parser.parse_args(argv)

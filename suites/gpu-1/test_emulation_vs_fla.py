@@ -17,6 +17,7 @@ if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs
     pytest.skip("no CUDA device", allow_module_level=True)
 pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
 
+from layer_parity import GPU_HEADS  # noqa: E402
 from linattn import selection  # noqa: E402
 from linattn.emulation import fla_on_cpu  # noqa: E402
 from pytest_linattn import assert_parity  # noqa: E402
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.gpus(1)
 RTOL = 2e-2
 CU_SEQLENS = [0, 1, 130, 300, 515]  # length 1, a partial chunk, 170, 215
 T, N = CU_SEQLENS[-1], len(CU_SEQLENS) - 1
-H, HV, K, V = 4, 8, 128, 128  # GVA 2; the head dims of the layer tests, whose compiled kernels it reuses
+H, HV, K, V = GPU_HEADS  # the kernel and layer tests' heads: one compile serves them all
 LOWER_BOUND = -5.0
 GDN_BWD_REFUSED = selection.choose_gdn_route(selection.read_facts()).value == "kda"
 

@@ -2,7 +2,7 @@
 
 Inputs are drawn in float64 on the CPU from a fixed seed, rounded to the kernel's dtype, and the
 reference runs in float64 on those rounded values, so the only error left is the kernel's.
-Measured on an H200 (shared/gpu/README.md): about 3.5e-3 relative error; the bound is 2e-2.
+The bound is 2e-2 (fla's own tests use 5e-3 to 2e-2).
 """
 
 import pytest
@@ -25,10 +25,10 @@ DEVICE = "cuda"
 
 pytestmark = pytest.mark.gpus(1)
 
-# (key heads, value heads): the GPU layer suites' replicated layer and its TP=2 shard, so the
-# kernels tune for the shapes those suites run (layer_parity.GPU_HEADS)
+# (key heads, value heads): the GPU layer suites' replicated layer (layer_parity.GPU_HEADS), whose
+# kernels the layer tests then reuse (the head count is a compile-time constant in fla's kernels)
 H_FULL, HV_FULL, K_DIM, V_DIM = GPU_HEADS
-HEADS = [(H_FULL, HV_FULL), (H_FULL // 2, HV_FULL // 2)]
+HEADS = [(H_FULL, HV_FULL)]
 
 FACTS = selection.read_facts()
 CAUSAL_CONV1D_BWD = FACTS.causal_conv1d_bwd_importable
@@ -158,11 +158,11 @@ def test_float32_linear_bf16_split_keeps_float32_precision(x_dtype):
     (x, weight), (x64, w64) = leaves([draw((1, T, IN), gen), draw((OUT, IN), gen) / IN ** 0.5], [x_dtype, DTYPE])
     y = kernels.float32_linear(x, weight, "bf16_split")
     assert y.dtype == torch.float32
-    dy = draw((1, T, OUT), gen)
+    dy = draw((1, T, OUT), gen).to(DTYPE).double()  # bf16 values, as from the layer's bf16 kernel
     grads = grads_of([y], [dy.to(DEVICE)], [x, weight])
     grads_ref = grads_of([x64 @ w64.T], [dy.to(DEVICE)], [x64, w64])
     assert_parity(y, x64 @ w64.T, rtol=1e-5, name="float32_linear y")
-    # each gradient is exact to float32 precision, then rounded to its input's dtype
+    # dx: exact products, float32 sums; dweight: x's bf16 part, rounded to bf16 (2^-9 each)
     for name, grad, grad_ref, dtype in zip(("dx", "dweight"), grads, grads_ref, (x_dtype, DTYPE)):
         assert grad.dtype == dtype
         assert_parity(grad, grad_ref, rtol=1e-5 if dtype == torch.float32 else 2 ** -8, name=f"float32_linear {name}")
