@@ -193,9 +193,11 @@ def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_stat
 
 
 def _fla_state_args(q, initial_state, cu_seqlens):
-    # fla keeps recurrent states in float32 (chunk_kda asserts it) and wants long cu_seqlens
+    # fla keeps recurrent states in float32 (chunk_kda asserts it) and wants long cu_seqlens.
+    # The calls pass state_v_first=True, as fla's own layers do (its kernels run faster with the
+    # state stored [V, K]); the entries' states stay [N, HV, K, V], transposed in and out.
     if initial_state is not None:
-        initial_state = initial_state.float()
+        initial_state = initial_state.float().transpose(-1, -2)
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=q.device, dtype=torch.long)
     return initial_state, cu_seqlens
@@ -217,6 +219,7 @@ def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_s
     o, final_state = chunk_gated_delta_rule(
         q, k, v, g, beta,
         scale=scale,
+        state_v_first=True,
         initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
@@ -224,7 +227,11 @@ def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_s
         cu_seqlens=cu_seqlens,
         **_gate_kwargs(use_gate_in_kernel, A_log, dt_bias),
     )
-    return o.to(q.dtype), final_state
+    return o.to(q.dtype), _state_k_first(final_state)
+
+
+def _state_k_first(final_state):
+    return None if final_state is None else final_state.transpose(-1, -2)
 
 
 def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
@@ -236,6 +243,7 @@ def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
     o, final_state = chunk_kda(
         q, k, v, g, beta,
         scale=scale,
+        state_v_first=True,
         initial_state=initial_state,
         output_final_state=output_final_state,
         use_qk_l2norm_in_kernel=use_qk_l2norm,
@@ -244,4 +252,4 @@ def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seql
         cu_seqlens=cu_seqlens,
         **_gate_kwargs(use_gate_in_kernel, A_log, dt_bias),
     )
-    return o.to(q.dtype), final_state
+    return o.to(q.dtype), _state_k_first(final_state)

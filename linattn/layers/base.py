@@ -205,12 +205,16 @@ class HeadShardedLinearAttention(nn.Module):
 
     # ---- the two kernel call sites (the only places tokens of other CP ranks matter) ----
 
-    def _short_conv(self, x: torch.Tensor, weight: torch.Tensor, cu_seqlens: torch.Tensor, cp_context=None) -> torch.Tensor:
-        """Causal depthwise conv + SiLU over packed `[1, T, D]` channels, weight `[D, W]`; under CP
-        each sequence's W-1 earlier tokens come from the ranks that hold them."""
-        if cp_context is not None:
-            return cp.short_conv(x, weight, activation="silu", cp_context=cp_context)
-        return kernels.short_conv(x, weight, cu_seqlens=cu_seqlens, activation="silu")
+    def _short_conv(self, xs: list, weights: list, cu_seqlens: torch.Tensor, cp_context=None) -> list:
+        """Causal depthwise conv + SiLU over packed channel blocks (q, k, v): xs `[1, T, D_i]`,
+        weights `[D_i, W]`; returns the blocks' outputs. Without CP one call per block, so each
+        output is contiguous (the kernels take it without a copy); under CP one call over the
+        concatenated blocks, so one halo exchange serves them (each sequence's W-1 earlier tokens
+        come from the ranks that hold them)."""
+        if cp_context is None:
+            return [kernels.short_conv(x, w, cu_seqlens=cu_seqlens, activation="silu") for x, w in zip(xs, weights)]
+        y = cp.short_conv(torch.cat(xs, dim=-1), torch.cat(weights, dim=0), activation="silu", cp_context=cp_context)
+        return list(y.split([x.shape[-1] for x in xs], dim=-1))
 
     def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, cp_context=None, **gate) -> torch.Tensor:
         """The recurrence on this rank's heads: q, k `[1, T, H, dk]`, v `[1, T, HV, dv]`, g `[1, T, HV]`

@@ -30,46 +30,52 @@ class GatedDeltaNet(HeadShardedLinearAttention):
     """Families 'qwen3_next' and 'qwen3_5': same math, different input projection layouts."""
 
     def _project_inputs(self, x: torch.Tensor):
-        """x `[1, T, hidden]` -> (qkv `[1, T, conv_dim]` block-major [q | k | v], z `[1, T, HV, dv]`, b, a `[1, T, HV]`)."""
+        """x `[1, T, hidden]` -> ([q, k, v] `[1, T, key_dim | key_dim | value_dim]`, b, a `[1, T, HV]`)."""
         c = self.local_config
-        T = x.shape[1]
-        HV, dv = c.num_v_heads, c.head_v_dim
         if c.family == "qwen3_next":
             # rows grouped per key head ([q dk | k dk | v r*dv | z r*dv] and [b r | a r] for each
             # head): the weight rows are gathered into block-major order so each projection writes
             # its output contiguously, with no copy of the activations
-            qkv_rows, z_rows, b_rows, a_rows = self._qwen3_next_rows(x.device)
+            rows = self._qwen3_next_rows(x.device)
             w, w_ba = self.in_proj_qkvz.weight, self.in_proj_ba.weight
-            return (F.linear(x, w[qkv_rows]), F.linear(x, w[z_rows]).view(1, T, HV, dv),
-                    F.linear(x, w_ba[b_rows]), F.linear(x, w_ba[a_rows]))
-        qkv = F.linear(x, self.in_proj_qkv.weight)
-        z = F.linear(x, self.in_proj_z.weight).view(1, T, HV, dv)
-        return qkv, z, F.linear(x, self.in_proj_b.weight), F.linear(x, self.in_proj_a.weight)
+            return ([F.linear(x, w[rows["q"]]), F.linear(x, w[rows["k"]]), F.linear(x, w[rows["v"]])],
+                    F.linear(x, w_ba[rows["b"]]), F.linear(x, w_ba[rows["a"]]))
+        w = self.in_proj_qkv.weight
+        qkv = [F.linear(x, part) for part in w.split([c.key_dim, c.key_dim, c.value_dim], dim=0)]
+        return qkv, F.linear(x, self.in_proj_b.weight), F.linear(x, self.in_proj_a.weight)
 
-    def _qwen3_next_rows(self, device):
-        """Row indices of in_proj_qkvz for block-major [q | k | v] and for z, of in_proj_ba for b and a."""
+    def _project_output_gate(self, x: torch.Tensor) -> torch.Tensor:
+        """z `[1, T, HV, dv]`: projected after the recurrence, so it is not held through it."""
+        c = self.local_config
+        if c.family == "qwen3_next":
+            z = F.linear(x, self.in_proj_qkvz.weight[self._qwen3_next_rows(x.device)["z"]])
+        else:
+            z = F.linear(x, self.in_proj_z.weight)
+        return z.view(1, x.shape[1], c.num_v_heads, c.head_v_dim)
+
+    def _qwen3_next_rows(self, device) -> dict:
+        """Row indices of q, k, v, z in in_proj_qkvz and of b, a in in_proj_ba (block-major order)."""
         cached = getattr(self, "_rows", None)
-        if cached is None or cached[0].device != device:
+        if cached is None or cached["q"].device != device:
             c = self.local_config
             H, r, dk, dv = c.num_k_heads, c.v_heads_per_k_head, c.head_k_dim, c.head_v_dim
             per_head = torch.arange(H, device=device).view(H, 1)
-            qkvz = per_head * (2 * dk + 2 * r * dv)
-            ba = per_head * (2 * r)
+            qkvz, ba = per_head * (2 * dk + 2 * r * dv), per_head * (2 * r)
 
             def rows(base, start, width):
                 return (base + torch.arange(start, start + width, device=device)).reshape(-1)
 
-            qkv = torch.cat([rows(qkvz, 0, dk), rows(qkvz, dk, dk), rows(qkvz, 2 * dk, r * dv)])
-            cached = (qkv, rows(qkvz, 2 * dk + r * dv, r * dv), rows(ba, 0, r), rows(ba, r, r))
+            cached = dict(q=rows(qkvz, 0, dk), k=rows(qkvz, dk, dk), v=rows(qkvz, 2 * dk, r * dv),
+                          z=rows(qkvz, 2 * dk + r * dv, r * dv), b=rows(ba, 0, r), a=rows(ba, r, r))
             self._rows = cached
         return cached
 
     def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
         c = self.local_config
         T = x.shape[1]
-        qkv, z, b, a = self._project_inputs(x)
-        qkv = self._short_conv(qkv, self.conv1d.weight.squeeze(1), cu_seqlens, cp_context)
-        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        qkv, b, a = self._project_inputs(x)
+        weights = self.conv1d.weight.squeeze(1).split([c.key_dim, c.key_dim, c.value_dim], dim=0)
+        q, k, v = self._short_conv(qkv, list(weights), cu_seqlens, cp_context)
         q = q.reshape(1, T, c.num_k_heads, c.head_k_dim)
         k = k.reshape(1, T, c.num_k_heads, c.head_k_dim)
         v = v.reshape(1, T, c.num_v_heads, c.head_v_dim)
@@ -79,5 +85,6 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         else:
             g = kernels.log_decay(a, self.A_log, self.dt_bias)
             o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)
-        o = kernels.gated_rms_norm(o, z, self._replicated(self.norm.weight), self.config.norm_eps, "silu")
+        o = kernels.gated_rms_norm(o, self._project_output_gate(x), self._replicated(self.norm.weight),
+                                   self.config.norm_eps, "silu")
         return F.linear(o.reshape(1, T, c.value_dim), self.out_proj.weight)

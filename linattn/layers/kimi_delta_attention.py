@@ -12,8 +12,8 @@ KimiLinearDeltaAttention:
     o         = RMSNorm(o) * o_norm.weight * sigmoid(gate)   gate = g_proj x (or g_b_proj(g_a_proj x))
     y         = o_proj(o)
 
-The three convolutions run as one call on the concatenated [q | k | v] channels (fla fuses them
-the same way), so a context-parallel conv exchanges one halo.
+Under CP the three convolutions run as one call on the concatenated [q | k | v] channels, so a
+context-parallel conv exchanges one halo (see HeadShardedLinearAttention._short_conv).
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         c = self.local_config
         T = x.shape[1]
         HV, dk, dv = c.num_v_heads, c.head_k_dim, c.head_v_dim
-        # one projection into [q | k | v] (the weights are concatenated, not the activations)
-        qkv = F.linear(x, torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight], dim=0))
-        conv_weight = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight], dim=0).squeeze(1)
-        qkv = self._short_conv(qkv, conv_weight, cu_seqlens, cp_context)
-        q, k, v = qkv.split([c.key_dim, c.key_dim, c.value_dim], dim=-1)
+        q, k, v = self._short_conv(
+            [F.linear(x, self.q_proj.weight), F.linear(x, self.k_proj.weight), F.linear(x, self.v_proj.weight)],
+            [self.q_conv1d.weight.squeeze(1), self.k_conv1d.weight.squeeze(1), self.v_conv1d.weight.squeeze(1)],
+            cu_seqlens, cp_context)
         q = q.reshape(1, T, c.num_k_heads, dk)
         k = k.reshape(1, T, c.num_k_heads, dk)
         v = v.reshape(1, T, HV, dv)

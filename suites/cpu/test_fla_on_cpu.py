@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from layer_parity import random_state_dict, run_layer
+from linattn import kernels
 from linattn.layers import LinearAttentionConfig, build_layer, from_fla_state_dict, from_hf_state_dict, to_hf_state_dict
 from pytest_linattn import assert_parity
 
@@ -141,3 +142,34 @@ def test_transformers_closure_is_restored_on_exit():
         assert not holds(hf.torch_chunk_gated_delta_rule, original)
     assert holds(hf.torch_chunk_gated_delta_rule, original)
     assert fla_gdn.chunk_gated_delta_rule is original
+
+
+@pytest.mark.parametrize("op, lower_bound", [("kda", None), ("kda", -5.0), ("gated_delta_rule", None)])
+def test_the_projects_fla_calls_compute_what_its_torch_path_does(fla_on_cpu, op, lower_bound):
+    # linattn.kernels' CUDA variants, run on CPU tensors under the emulation (itself checked
+    # against fla's kernels on a GPU): fla's argument names, the in-kernel gate and beta sigmoid,
+    # the [V, K] state layout they pass, the states transposed back. A_log and dt_bias reach fla
+    # in float32, hence the bound.
+    from linattn.kernels import _delta_rules
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, HV, K, V = int(CU_SEQLENS[-1]), 2, 4, 8, 6
+    per_channel = op == "kda"
+    q, k = (torch.randn(1, T, H, K, generator=gen, dtype=torch.float64) for _ in range(2))
+    v = torch.randn(1, T, HV, V, generator=gen, dtype=torch.float64)
+    raw = torch.randn(1, T, HV, *((K,) if per_channel else ()), generator=gen, dtype=torch.float64)
+    logits = torch.randn(1, T, HV, generator=gen, dtype=torch.float64)
+    h0 = torch.randn(len(CU_SEQLENS) - 1, HV, K, V, generator=gen, dtype=torch.float64)
+    A_log = torch.rand(HV, generator=gen, dtype=torch.float64).add(0.5)
+    dt_bias = torch.randn(HV * K if per_channel else HV, generator=gen, dtype=torch.float64)
+    gate = dict(use_gate_in_kernel=True, A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=True)
+    if lower_bound is not None:
+        gate["lower_bound"] = lower_bound
+    common = dict(initial_state=h0, output_final_state=True, cu_seqlens=CU_SEQLENS, use_qk_l2norm=True)
+    o_torch, s_torch = getattr(kernels, op)(q, k, v, raw, logits, **common, **gate)
+    fla_call = _delta_rules._kda_fla if per_channel else _delta_rules._gated_delta_rule_fla
+    extra = (lower_bound,) if per_channel else ()
+    o_fla, s_fla = fla_call(q, k, v, raw, logits, None, h0, True, CU_SEQLENS, True, True, A_log, dt_bias, *extra, True)
+    assert s_fla.shape == s_torch.shape
+    assert_parity({"o": o_fla, "final_state": s_fla}, {"o": o_torch, "final_state": s_torch}, rtol=1e-6,
+                  name=f"{op} fla call under the emulation")

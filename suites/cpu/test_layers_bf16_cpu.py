@@ -102,7 +102,7 @@ def test_bf16_layer_computes_gate_beta_and_norm_in_float32(case, monkeypatch):
 
         def recording_projections(h):
             out = project(h)
-            projections.update(b=out[2], a=out[3])
+            projections.update(b=out[1], a=out[2])
             return out
 
         layer._project_inputs = recording_projections
