@@ -25,6 +25,7 @@ context (its contiguous piece), or None without CP.
 from __future__ import annotations
 
 import math
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -134,10 +135,10 @@ class HeadShardedLinearAttention(nn.Module):
         under SP split again into tp contiguous slices of T / (cp * tp) tokens (T_local = T without
         CP and SP); cu_seqlens: the GLOBAL packed-sequence boundaries `[N + 1]` (int32), the same on
         every rank. Returns `[1, T_local, hidden]`, the same tokens."""
-        cp_context = self._check_inputs(hidden_states, cu_seqlens)
+        cu_seqlens, cp_context = self._check_inputs(hidden_states, cu_seqlens)
         x = self._enter_tensor_parallel_region(hidden_states)
         if cp_context is None:
-            y = self._mix_tokens(x, cu_seqlens.to(device=hidden_states.device), None)
+            y = self._mix_tokens(x, cu_seqlens, None)
         else:
             # ops run on the contiguous piece; zigzag moves the tokens there once per layer (one
             # all-to-all of the hidden states each way) rather than once per op
@@ -147,8 +148,8 @@ class HeadShardedLinearAttention(nn.Module):
         return self._exit_tensor_parallel_region(y)
 
     def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor):
-        """ValueError naming the rule a bad input breaks, before any collective. Under CP returns
-        the CP context, else None."""
+        """ValueError naming the rule a bad input breaks, before any collective. Returns
+        (cu_seqlens as int64 on hidden_states' device, the CP context or None without CP)."""
         hidden = self.config.hidden_size
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be a [1, T, hidden] tensor, got {getattr(hidden_states, 'shape', hidden_states)!r}")
@@ -156,14 +157,8 @@ class HeadShardedLinearAttention(nn.Module):
             raise ValueError(f"hidden_states must be packed as [1, T, {hidden}], got {tuple(hidden_states.shape)}")
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be a 1-D tensor of at least 2 boundaries, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
-        total = int(cu_seqlens[-1])
-        validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+        total, device_cu_seqlens, cp_context = self._packed_batch(cu_seqlens, hidden_states.device)
         local_tokens = hidden_states.shape[1]
-        cp_context = None
-        if self.cp_size > 1:
-            # cp.build_context checks the CP divisibility rules (T by cp, zigzag: T and every
-            # sequence length by 2 * cp); it only reads the group's size and rank
-            cp_context = cp.build_context(cu_seqlens, self.cp_group, self.cp_layout, total_tokens=total)
         cp_tokens = total // self.cp_size  # this CP rank's tokens
         if self.sequence_parallel:
             if cp_tokens % self.tp_size != 0:
@@ -181,7 +176,28 @@ class HeadShardedLinearAttention(nn.Module):
         elif local_tokens != cp_tokens:
             what = "cu_seqlens[-1]" if self.cp_size == 1 else "cu_seqlens[-1] / cp_size"
             raise ValueError(f"hidden_states must hold {what} = {cp_tokens} tokens, got {local_tokens}")
-        return cp_context
+        return device_cu_seqlens, cp_context
+
+    def _packed_batch(self, cu_seqlens: torch.Tensor, device):
+        """(total tokens, cu_seqlens as int64 on device, the CP context or None) of validated
+        boundaries. A step passes the same cu_seqlens tensor again and again: while it is the same
+        object, unchanged, the same results come back, so nothing is read back from the GPU (a
+        sync) and fla's caches keyed on the tensor (chunk indices, sequence ids) hit, as they do
+        for its own layers."""
+        memo = self.__dict__.get("_packed_batch_memo")
+        key = (cu_seqlens._version, device)
+        if memo is not None and memo[0]() is cu_seqlens and memo[1] == key:
+            return memo[2]
+        total = int(cu_seqlens[-1])
+        validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+        cp_context = None
+        if self.cp_size > 1:
+            # cp.build_context checks the CP divisibility rules (T by cp, zigzag: T and every
+            # sequence length by 2 * cp); it only reads the group's size and rank
+            cp_context = cp.build_context(cu_seqlens, self.cp_group, self.cp_layout, total_tokens=total)
+        result = (total, cu_seqlens.to(device=device, dtype=torch.long), cp_context)
+        self.__dict__["_packed_batch_memo"] = (weakref.ref(cu_seqlens), key, result)
+        return result
 
     def _enter_tensor_parallel_region(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

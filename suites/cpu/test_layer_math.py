@@ -319,3 +319,25 @@ def test_mappings_are_identity_without_a_group():
     for fn in (copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region,
                gather_from_sequence_parallel_region, reduce_scatter_to_sequence_parallel_region):
         assert fn(x, None) is x
+
+
+def test_the_same_cu_seqlens_is_checked_once_until_it_changes(monkeypatch):
+    # a training step passes one cu_seqlens tensor to every layer: checked (a GPU read-back on
+    # CUDA) and converted once; an in-place change or another tensor is checked again
+    import linattn.layers.base as base
+
+    calls = []
+    check = base.validate_cu_seqlens
+    monkeypatch.setattr(base, "validate_cu_seqlens", lambda *a, **k: calls.append(1) or check(*a, **k))
+    config = LinearAttentionConfig("kda", hidden_size=16, num_k_heads=2, num_v_heads=2, head_k_dim=4, head_v_dim=4)
+    layer = build_layer(config, dtype=torch.float64)
+    x = torch.randn(1, 12, 16, dtype=torch.float64)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    first = layer(x, cu)
+    assert torch.equal(layer(x, cu), first) and len(calls) == 1
+    cu[1] = 7  # in place: the memo must not serve the old boundaries
+    moved = layer(x, cu)
+    assert len(calls) == 2 and not torch.equal(moved, first)
+    assert torch.equal(layer(x, torch.tensor([0, 5, 12], dtype=torch.int32)), first) and len(calls) == 3
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        layer(x, torch.tensor([0, 5, 11], dtype=torch.int32))
