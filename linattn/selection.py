@@ -105,8 +105,7 @@ def choose_short_conv_backend(facts: Facts) -> Choice:
             )
         return Choice(explicit, f"FLA_CONV_BACKEND={explicit} is set")
     if facts.cuda_available and facts.causal_conv1d_bwd_importable:
-        # Measured at the production layers' shapes on an H200 (docs/benchmarks.md, 2026-11-30):
-        # cuda fastest or within 2.1% on all 9 shapes; mix up to 1.58x slower at 4k-16k tokens
+        # the fastest at the production layers' shapes (docs/benchmarks.md, kernel table)
         return Choice("cuda", "CUDA present and causal-conv1d's CUDA kernels import: CUDA forward and backward")
     if facts.cuda_available:
         return Choice("triton", "CUDA present but causal-conv1d's CUDA backward does not import")
@@ -122,11 +121,10 @@ def choose_gate_norm_backend(facts: Facts) -> Choice:
     (fla/modules/norm/fused_norm_gate.py); all compute in float32, the same precision as the torch
     path. On a CPU fla cannot run.
     """
-    if facts.cuda_available and facts.fla_installed:
-        return Choice("fla", "CUDA present and fla installed: gate, beta sigmoid and gated norm fused in fla's kernels")
-    if facts.cuda_available:
-        return Choice("torch", "CUDA present but fla not installed: gate, beta and gated norm in torch ops")
-    return Choice("torch", "no CUDA: gate, beta and gated norm in torch ops")
+    fused = facts.cuda_available and facts.fla_installed
+    where = "CUDA and fla present" if fused else "fla not installed" if facts.cuda_available else "no CUDA"
+    how = "in fla's kernels" if fused else "in torch ops"
+    return Choice("fla" if fused else "torch", f"{where}: gate, beta sigmoid and gated norm {how}")
 
 
 def choose_kda_tilelang(facts: Facts) -> Choice:

@@ -1,4 +1,4 @@
-"""What the CP op tests share (suites/cpu/test_cp_ops.py, suites/gpu-2/test_cp_ops_nccl.py): the
+"""What the CP op tests share (suites/cpu/library/test_cp_ops.py, suites/gpu-2/test_cp_ops_gpu2.py): the
 token layout they shard and unshard with, and the float64 reference (short conv and both delta
 rules on the whole packed batch, outputs and every input's gradient).
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import torch
-
 from .config import LinearAttentionConfig
 from .gated_deltanet import GatedDeltaNet
 from .kimi_delta_attention import KimiDeltaAttention
@@ -13,17 +11,10 @@ __all__ = ["build_layer"]
 LAYER_CLASSES = {"qwen3_next": GatedDeltaNet, "qwen3_5": GatedDeltaNet, "kda": KimiDeltaAttention}
 
 
-def build_layer(
-    config: LinearAttentionConfig,
-    *,
-    tp_group=None,
-    cp_group=None,
-    cp_layout: str = "contiguous",
-    sequence_parallel: bool = False,
-    dtype: torch.dtype = torch.float32,
-    device="cpu",
-):
-    """The layer of `config.family`, holding this rank's TP shard of the heads.
+def build_layer(config: LinearAttentionConfig, **options):
+    """The layer of `config.family`, holding this rank's TP shard of the heads. options (keyword
+    only, see HeadShardedLinearAttention): tp_group=None, cp_group=None, cp_layout="contiguous",
+    sequence_parallel=False, dtype=torch.float32, device="cpu".
 
     tp_group: heads split over it (None: replicated layer); load each rank's weights with
     `shard_state_dict(full, config, tp_rank, tp_size)`.
@@ -52,7 +43,4 @@ def build_layer(
     """
     if not isinstance(config, LinearAttentionConfig):
         raise ValueError(f"config must be a LinearAttentionConfig, got {type(config).__name__}")
-    return LAYER_CLASSES[config.family](
-        config, tp_group=tp_group, cp_group=cp_group, cp_layout=cp_layout,
-        sequence_parallel=sequence_parallel, dtype=dtype, device=device,
-    )
+    return LAYER_CLASSES[config.family](config, **options)

@@ -115,6 +115,13 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         "fresh machine); the ranks a pool starts inherit it")
 
 
+def add_placement_args(parser: argparse.ArgumentParser, tp: str, cp: str) -> None:
+    """--tp / --cp (comma lists; defaults tp, cp) and the per-case --timeout of the rank tables."""
+    parser.add_argument("--tp", help=f"comma list of TP sizes (default {tp})")
+    parser.add_argument("--cp", help=f"comma list of CP sizes (default {cp})")
+    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case before the ranks are killed")
+
+
 def resolve_args(parser, argv, defaults: dict, quick: dict):
     """Parse; every option left unset takes the --quick value (with --quick) or the default."""
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ line, the memory to free before the next case.
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -123,6 +124,22 @@ def peak_gib(device) -> float | None:
 
 def is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc).lower()
+
+
+def oom_as_row(case_fn):
+    """A rank function whose case running out of memory returns the row {"status": "OOM"}
+    instead of raising (the benchmark goes on); memory is freed after every case."""
+    @functools.wraps(case_fn)
+    def run(case: dict) -> dict:
+        try:
+            out = case_fn(case)
+        except Exception as exc:  # noqa: BLE001 - this case fails, the benchmark goes on
+            if not is_oom(exc):
+                raise
+            out = {"status": "OOM"}
+        free_memory()
+        return out
+    return run
 
 
 def first_line(exc) -> str:

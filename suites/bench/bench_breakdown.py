@@ -25,9 +25,9 @@ import argparse
 import torch
 
 import linattn.kernels
-from _common import Ranks, add_common_args, case_row, finish, fmt, parse_ints, print_table, resolve_args, sweep
+from _common import Ranks, add_common_args, add_placement_args, case_row, finish, fmt, parse_ints, print_table, resolve_args, sweep
 from _layer_case import build_case, parallel_groups, time_layer_step
-from _timing import free_memory, is_oom, measure
+from _timing import measure, oom_as_row
 
 DEFAULTS = dict(shapes="prod", tokens="16k,64k", iters=10, warmup=3, tp="1", cp="1")
 QUICK = dict(shapes="kimi-k3,qwen3-next")
@@ -98,29 +98,24 @@ def replay(fn, args, kwargs, *, iters: int, warmup: int, device) -> dict:
     return measure(lambda: fn(*args, **kwargs), bwd, iters=iters, warmup=warmup, device=device, reset=reset)
 
 
+@oom_as_row
 def breakdown_case(case: dict) -> dict:
     """Rank function: the layer step, then every part alone."""
-    try:
-        tp_group, cp_group = parallel_groups(case["tp"], case["cp"])
-        layer, x, dy, cu = build_case(case, tp_group, cp_group)
-        step = time_layer_step(layer, x, dy, cu, iters=case["iters"], warmup=case["warmup"])
-        calls = record_calls(layer, x, cu)
-        del dy
-        out = {"status": "ok", "ms": step["ms"], "peak_gib": step["peak_gib"], **{p: 0.0 for p in PARTS},
-               "calls": {p: 0 for p in PARTS}}
-        while calls:
-            part, fn, args, kwargs = calls.pop(0)
-            t = replay(fn, args, kwargs, iters=case["iters"], warmup=case["warmup"], device=x.device)
-            if t["ms"] is None:
-                return {"status": "error", "error": f"{part}: {t['bwd_error']}"}
-            out[part] += t["ms"]
-            out["calls"][part] += 1
-            del fn, args, kwargs
-    except Exception as exc:  # noqa: BLE001 - this case fails, the benchmark goes on
-        if not is_oom(exc):
-            raise
-        out = {"status": "OOM"}
-    free_memory()
+    tp_group, cp_group = parallel_groups(case["tp"], case["cp"])
+    layer, x, dy, cu = build_case(case, tp_group, cp_group)
+    step = time_layer_step(layer, x, dy, cu, iters=case["iters"], warmup=case["warmup"])
+    calls = record_calls(layer, x, cu)
+    del dy
+    out = {"status": "ok", "ms": step["ms"], "peak_gib": step["peak_gib"], **{p: 0.0 for p in PARTS},
+           "calls": {p: 0 for p in PARTS}}
+    while calls:
+        part, fn, args, kwargs = calls.pop(0)
+        t = replay(fn, args, kwargs, iters=case["iters"], warmup=case["warmup"], device=x.device)
+        if t["ms"] is None:
+            return {"status": "error", "error": f"{part}: {t['bwd_error']}"}
+        out[part] += t["ms"]
+        out["calls"][part] += 1
+        del fn, args, kwargs
     return out
 
 
@@ -145,9 +140,7 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_common_args(parser)
-    parser.add_argument("--tp", help="comma list of TP sizes (default 1)")
-    parser.add_argument("--cp", help="comma list of CP sizes (default 1)")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case before the ranks are killed")
+    add_placement_args(parser, tp="1", cp="1")
     args = resolve_args(parser, argv, DEFAULTS, QUICK)
     placements = [(tp, cp) for tp in parse_ints(args.tp) for cp in parse_ints(args.cp)]
     world = max(tp * cp for tp, cp in placements)

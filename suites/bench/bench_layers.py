@@ -21,36 +21,31 @@ import argparse
 import torch
 import torch.distributed as dist
 
-from _common import Ranks, add_common_args, case_row, finish, fmt, parse_ints, print_table, resolve_args, sweep
+from _common import Ranks, add_common_args, add_placement_args, case_row, finish, fmt, parse_ints, print_table, resolve_args, sweep
 from _layer_case import build_case, parallel_groups, time_layer_step
-from _timing import free_memory, is_oom
+from _timing import free_memory, is_oom, oom_as_row
 
 DEFAULTS = dict(shapes="prod", tokens="4k,8k,16k,32k,64k", iters=10, warmup=3, tp="1,2", cp="1,2")
 QUICK = dict(shapes="qwen3-next,kimi-k3", tokens="16k")
 
 
+@oom_as_row
 def layer_case(case: dict) -> dict:
     """Rank function: time this rank's shard, then compare it with the replicated layer."""
     from layer_parity import local_tokens
     from linattn.parallel import group_rank
 
     out = {"status": "ok"}
-    try:
-        tp_group, cp_group = parallel_groups(case["tp"], case["cp"])
-        layer, x, dy, cu = build_case(case, tp_group, cp_group)
-        out.update(time_layer_step(layer, x, dy, cu, iters=case["iters"], warmup=case["warmup"]))
-        if case["check"] and case["tp"] * case["cp"] > 1:
-            y = layer(x, cu)
-            y.backward(dy)
-            mine = (y.detach(), x.grad)
-            del layer, x, dy, y
-            free_memory()
-            out.update(_errors(case, mine, tp_group, cp_group, local_tokens, group_rank))
-    except Exception as exc:  # noqa: BLE001 - this case fails, the benchmark goes on
-        if not is_oom(exc):
-            raise
-        out = {"status": "OOM"}
-    free_memory()
+    tp_group, cp_group = parallel_groups(case["tp"], case["cp"])
+    layer, x, dy, cu = build_case(case, tp_group, cp_group)
+    out.update(time_layer_step(layer, x, dy, cu, iters=case["iters"], warmup=case["warmup"]))
+    if case["check"] and case["tp"] * case["cp"] > 1:
+        y = layer(x, cu)
+        y.backward(dy)
+        mine = (y.detach(), x.grad)
+        del layer, x, dy, y
+        free_memory()
+        out.update(_errors(case, mine, tp_group, cp_group, local_tokens, group_rank))
     return out
 
 
@@ -104,13 +99,11 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     add_common_args(parser)
-    parser.add_argument("--tp", help="comma list of TP sizes (default 1,2)")
-    parser.add_argument("--cp", help="comma list of CP sizes (default 1,2)")
+    add_placement_args(parser, tp="1,2", cp="1,2")
     parser.add_argument("--world", type=int, help="ranks to spawn (default: largest tp*cp that fits)")
     parser.add_argument("--sp", action="store_true", help="sequence parallel with TP")
     parser.add_argument("--cp-layout", choices=("contiguous", "zigzag"), default="contiguous")
     parser.add_argument("--no-check", action="store_true", help="skip the sharded-vs-replicated error")
-    parser.add_argument("--timeout", type=float, default=900.0, help="seconds per case before the ranks are killed")
     args = resolve_args(parser, argv, DEFAULTS, QUICK)
     placements = [(tp, cp) for tp in parse_ints(args.tp) for cp in parse_ints(args.cp)]
     limit = torch.cuda.device_count() if args.device == "cuda" else None

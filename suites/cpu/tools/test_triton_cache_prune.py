@@ -5,7 +5,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-SCRIPT = Path(__file__).resolve().parents[2] / ".ci" / "prune-triton-cache.py"
+SCRIPT = Path(__file__).resolve().parents[3] / ".ci" / "prune-triton-cache.py"
 
 
 def _prune(root):

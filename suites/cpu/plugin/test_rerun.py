@@ -17,7 +17,7 @@ from pytest_linattn import rerun
 from pytest_linattn.suites import (Suite, SuiteConfigError, _parse_mini_toml, given_flags, home_suite,
                                    load_suites, targeted_suites)
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 
 TOML = """\
 # a suite with no plugin options, so the end-to-end child pytest needs no plugin

@@ -1,7 +1,7 @@
 """Each family's layer in bf16 on the CPU against the float64 replicated layer: output, dx and every
 parameter gradient (the gate's A_log, dt_bias and projections included) <= 2e-2 relative.
 
-The CPU proxy of suites/gpu-1/test_layers_bf16.py (the same cases, seeds, sizes and packing:
+The CPU proxy of suites/gpu-1/test_layers_bf16_gpu1.py (the same cases, seeds, sizes and packing:
 layer_parity.BF16_CASES): the torch kernels compute bf16 inputs in float32, so what is left is the
 bf16 rounding of the layer's own math, the part the GPU run shares with this one.
 

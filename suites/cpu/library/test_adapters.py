@@ -19,19 +19,10 @@ import pytest
 import torch
 
 from layer_parity import random_state_dict
-from linattn.layers import (
-    LinearAttentionConfig,
-    build_layer,
-    config_from_fla_layer,
-    from_fla_state_dict,
-    from_hf_state_dict,
-    from_megatron_state_dicts,
-    qwen3_5_to_qwen3_next,
-    qwen3_next_to_qwen3_5,
-    to_fla_state_dict,
-    to_hf_state_dict,
-    to_megatron_state_dict,
-)
+from linattn.layers import LinearAttentionConfig, build_layer
+from linattn.layers.adapters import (config_from_fla_layer, from_fla_state_dict, from_hf_state_dict,
+                                     from_megatron_state_dicts, qwen3_5_to_qwen3_next, qwen3_next_to_qwen3_5,
+                                     to_fla_state_dict, to_hf_state_dict, to_megatron_state_dict)
 from pytest_linattn import assert_parity
 
 qwen3_next_cfg = pytest.importorskip("transformers.models.qwen3_next.configuration_qwen3_next")

@@ -20,7 +20,7 @@ triton_autotuner = pytest.importorskip("triton.runtime.autotuner")
 import triton  # noqa: E402
 
 Autotuner, Config = triton_autotuner.Autotuner, triton.Config
-DUMP = Path(__file__).resolve().parents[1] / "bench" / "dump_fla_configs.py"
+DUMP = Path(__file__).resolve().parents[2] / "bench" / "dump_fla_configs.py"
 
 
 @pytest.fixture(autouse=True)
