@@ -19,6 +19,8 @@ import re
 
 import torch
 
+from gpu_suite import BF16_RTOL
+
 from linattn.layers import (
     LinearAttentionConfig,
     build_layer,
@@ -275,7 +277,7 @@ def bf16_case(case):
     return config, sd, cu, x, dy
 
 
-def check_bf16_layer(case, device, *, rtol=2e-2):
+def check_bf16_layer(case, device, *, rtol=BF16_RTOL):
     """A bf16 layer on `device` against the float64 replicated layer on the CPU, same weights and
     inputs (bf16_case: what is left is the bf16 computation's error): output, dx and every
     parameter gradient <= rtol."""

@@ -13,9 +13,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs seconds
-    pytest.skip("no CUDA device", allow_module_level=True)
-pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
+from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+
+require_cuda_and_fla()
 
 from layer_parity import GPU_HEADS  # noqa: E402
 from linattn import selection  # noqa: E402
@@ -24,7 +24,6 @@ from pytest_linattn import assert_parity  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
 
-RTOL = 2e-2
 CU_SEQLENS = [0, 1, 130, 300, 515]  # length 1, a partial chunk, 170, 215
 T, N = CU_SEQLENS[-1], len(CU_SEQLENS) - 1
 H, HV, K, V = GPU_HEADS  # the kernel and layer tests' heads: one compile serves them all

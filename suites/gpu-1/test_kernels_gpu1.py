@@ -9,16 +9,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs seconds
-    pytest.skip("no CUDA device", allow_module_level=True)
-pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
+from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+
+require_cuda_and_fla()
 
 from layer_parity import GPU_HEADS  # noqa: E402
 from linattn import kernels, reference, selection  # noqa: E402
 from pytest_linattn import assert_parity  # noqa: E402
 
 SEED = 2026
-RTOL = 2e-2
 DTYPE = torch.bfloat16
 CU_SEQLENS = [0, 1, 130, 300, 515]  # four packed sequences: length 1, a partial chunk, 170, 215
 DEVICE = "cuda"

@@ -6,11 +6,10 @@ one of a single token, one crossing fla's 64-token chunks).
 """
 
 import pytest
-import torch
 
-if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs seconds
-    pytest.skip("no CUDA device", allow_module_level=True)
-pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
+from gpu_suite import require_cuda_and_fla
+
+require_cuda_and_fla()
 
 from layer_parity import BF16_CASES, check_bf16_layer  # noqa: E402
 

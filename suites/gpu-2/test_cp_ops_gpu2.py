@@ -9,6 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+
+require_cuda_and_fla()
+
 from cp_op_parity import DELTA_RULES as OPS, reference_case, shard as shard_tokens, unshard
 from layer_parity import GPU_HEADS
 from linattn.parallel import cp
@@ -17,7 +21,6 @@ from pytest_linattn.seqlens import packed_seqlens
 
 pytestmark = pytest.mark.gpus(2)
 
-RTOL = 2e-2
 T = 512
 W, D = 4, 128
 # the head shape of every GPU suite: the CP layer tests have already tuned the CP kernels for it

@@ -7,9 +7,9 @@ suites/layer_parity.py's; the checks the public harness's (pytest_linattn.sharde
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs seconds
-    pytest.skip("no CUDA device", allow_module_level=True)
-pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
+from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+
+require_cuda_and_fla()
 
 from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
 from layer_parity import gpu_config, make_case  # noqa: E402
@@ -18,7 +18,6 @@ from pytest_linattn.sharded_parity import assert_parity_cases  # noqa: E402
 pytestmark = pytest.mark.gpus(2)
 
 TP = 2
-RTOL = 2e-2
 DTYPE = torch.bfloat16
 CU_SEQLENS = [0, 1, 130, 300, 516]  # 516 tokens: divisible by TP for sequence parallel
 

@@ -11,9 +11,9 @@ suites/layer_parity.py's, the checks the public harness's (pytest_linattn.sharde
 import pytest
 import torch
 
-if not torch.cuda.is_available():  # checked first: importing fla on a CPU costs seconds
-    pytest.skip("no CUDA device", allow_module_level=True)
-pytest.importorskip("fla", reason="fla is not installed: the GPU kernels need it")
+from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+
+require_cuda_and_fla()
 
 from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
 from layer_parity import gpu_config, make_case  # noqa: E402
@@ -23,7 +23,6 @@ from pytest_linattn.seqlens import packed_seqlens  # noqa: E402
 pytestmark = pytest.mark.gpus(4)
 
 WORLD = 4
-RTOL = 2e-2
 DTYPE = torch.bfloat16
 T = 512  # T / 4 = 128 tokens per rank; zigzag lengths divisible by 2 * 4
 # (tp, cp, layout, sp)
