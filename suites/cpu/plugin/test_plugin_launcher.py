@@ -105,11 +105,12 @@ def test_faults_under_torchrun(pytester):
     pytester.makepyfile(test_launched=LAUNCHED_TESTS)
     tag = f"launcher-{os.getpid()}-{time.monotonic_ns()}"
     # The hang uses a short timeout; raise and exit a long one, which they must not wait for.
-    runs = {fault: _torchrun(pytester.path, fault, timeout_s, tag)
-            for fault, timeout_s in (("raise", 120), ("exit", 120), ("hang", 4))}
-    texts = {}
+    # One torchrun at a time: three side by side (six ranks and three agents on a two-core CI
+    # machine) let torchrun's agent stop rank 0 before it had reported.
+    runs, texts = {}, {}
     try:
-        for fault, proc in runs.items():
+        for fault, timeout_s in (("raise", 120), ("exit", 120), ("hang", 4)):
+            runs[fault] = proc = _torchrun(pytester.path, fault, timeout_s, tag)
             out, _ = proc.communicate(timeout=240)
             texts[fault] = out.decode(errors="replace")
     finally:
