@@ -1,7 +1,8 @@
 """The project's layer beside fla's own layer of the same family and sizes, timed interleaved.
 
-    python suites/bench/bench_vs_fla.py [--shapes prod] [--tokens 4k,16k,64k] [--iters 10]
-        [--warmup 3] [--autotune first|shipped|search] [--json FILE] [--device auto|cpu|cuda]
+    python suites/bench/bench_vs_fla.py [--quick] [--shapes prod] [--tokens 4k,16k,64k] [--iters 10]
+        [--warmup 3] [--autotune first|shipped|search] [--profile N] [--forward-only] [--json FILE]
+        (and the other options every bench script takes, suites/bench/_common.py)
 
 KDA shapes run against `fla.layers.KimiDeltaAttention`, GDN shapes against `fla.layers.GatedDeltaNet`
 (fla's weight layout is Qwen3.5's; the project's qwen3-next layer gets the same weights through
@@ -27,13 +28,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 
 import torch
 
-from _common import cu_seqlens, make_config, parse_shapes, parse_tokens, tokens_label  # sets sys.path
-from _timing import measure_interleaved, peak_gib, reset_peak
+from _common import (DTYPES, add_common_args, checkpoint, cu_seqlens, finish, fmt, make_config,  # sets sys.path
+                     print_table, resolve_args, tokens_label)
+from _timing import free_memory, is_oom, measure_interleaved, peak_gib, reset_peak
 from layer_parity import random_state_dict
 from linattn import selection
 from linattn.layers import build_layer, qwen3_next_to_qwen3_5, to_fla_state_dict
@@ -147,93 +148,65 @@ def run_row(shape, T, args, device, dtype, gdn_forward_only) -> dict:
     if args.profile:
         for name in ("ours", "fla"):
             print_profile(f"{shape} {tokens_label(T)} {name}", *calls[name], device, args.profile)
-    row = dict(shape=shape, family=config.family, tokens=T, step="fwd+bwd" if backward else "fwd only",
+    row = dict(shape=shape, family=config.family, tokens=T, tokens_label=tokens_label(T),
+               step="fwd+bwd" if backward else "fwd only",
                ms=ms, fla_ms=fla_ms, time_ratio=ms / fla_ms, gib=gib, fla_gib=fla_gib,
                memory_ratio=gib / fla_gib if gib is not None else None, out_err=out_err)
     del ours, theirs, calls, x, dy
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    free_memory()
     return row
 
 
-def write_json(path, header, rows, *, complete: bool) -> None:
-    """After every row (a run cut short keeps what it measured) and once complete."""
-    if path:
-        with open(path, "w") as f:
-            json.dump(dict(header=header, rows=rows, complete=complete), f, indent=1)
-
-
-def gib(value) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
-def ratio(value) -> str:
-    return "-" if value is None else f"{value:.3f}"
-
-
-def print_table(rows, header) -> None:
-    print(header)
-    cols = ["shape", "tokens", "step", "ours ms", "fla ms", "time x", "ours GiB", "fla GiB", "mem x", "out err"]
-    lines = [cols] + [[r["shape"], tokens_label(r["tokens"]), r["step"], f"{r['ms']:.2f}", f"{r['fla_ms']:.2f}",
-                       f"{r['time_ratio']:.3f}", gib(r["gib"]), gib(r["fla_gib"]), ratio(r["memory_ratio"]),
-                       f"{r['out_err']:.1e}"] for r in rows]
-    widths = [max(len(line[i]) for line in lines) for i in range(len(cols))]
-    for line in lines:
-        print("  ".join(cell.rjust(w) for cell, w in zip(line, widths)))
+TABLE = [("shape", "shape"), ("tokens_label", "tokens"), ("step", "step"), ("ms", "ours ms"), ("fla_ms", "fla ms"),
+         ("time_ratio", "time x", ".3f"), ("gib", "ours GiB"), ("fla_gib", "fla GiB"), ("memory_ratio", "mem x", ".3f"),
+         ("out_err", "out err", ".1e")]
+DEFAULTS = dict(shapes="prod", tokens="4k,16k,64k", iters=10, warmup=3)
+QUICK = dict(shapes="glm-5.3-flash,qwen3-next", tokens="16k")
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", default="prod")
-    parser.add_argument("--tokens", default="4k,16k,64k")
-    parser.add_argument("--iters", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--seqs", type=int, default=1, help="equal-length packed sequences per batch")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    parser.add_argument("--autotune", choices=autotune.MODES, default="first",
-                        help="kernel configs on CUDA (pytest_linattn.autotune); default first: no search")
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    add_common_args(parser)
+    parser.set_defaults(autotune="first")  # both layers on one config per kernel: no search
     parser.add_argument("--profile", type=int, default=0, metavar="N",
                         help="after each row, profile one step of each layer and print its N costliest kernels")
     parser.add_argument("--forward-only", action="store_true", help="time every row's forward only (no grad)")
-    parser.add_argument("--json", metavar="FILE")
-    args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0 or args.seqs < 1:
-        parser.error("--iters must be >= 1, --warmup >= 0, --seqs >= 1")
-    if args.device == "auto":
-        args.device = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(args.device)
+    args = resolve_args(parser, argv, DEFAULTS, QUICK)  # on CUDA this applies --autotune
+    device, dtype = torch.device(args.device), DTYPES[args.dtype]
     if device.type == "cuda":
-        dtype, emulation = torch.bfloat16, contextlib.nullcontext()
-        plan = autotune.apply(args.autotune)
-        configs = f"kernel configs: --autotune {args.autotune} ({plan.describe()})"
+        emulation = contextlib.nullcontext()
+        configs = f"kernel configs: --autotune {args.autotune} ({autotune.apply(args.autotune).describe()})"
         gdn_forward_only = selection.choose_gdn_route(selection.read_facts()).value == "kda"
         name = torch.cuda.get_device_name()
     else:
         from linattn.emulation import fla_on_cpu
 
-        dtype, emulation, configs = torch.float32, fla_on_cpu(), "CPU smoke run: fla's layers under fla_on_cpu"
+        emulation, configs = fla_on_cpu(), "CPU smoke run: fla's layers under fla_on_cpu"
         gdn_forward_only, name = False, "cpu"
-    header = (f"bench_vs_fla on {name}, {str(dtype).removeprefix('torch.')}, {args.seqs} sequence(s) per batch; "
-              f"{configs}; GDN: {'forward only (fla refuses its backward here)' if gdn_forward_only else 'forward + backward'}")
+    header = (f"bench_vs_fla on {name}, {args.dtype}, {args.seqs} sequence(s) per batch; {configs}; "
+              f"GDN: {'forward only (fla refuses its backward here)' if gdn_forward_only else 'forward + backward'}")
     print(header, flush=True)
     rows = []
     with emulation:
-        for shape in parse_shapes(args.shapes):
-            for T in parse_tokens(args.tokens):
+        for shape in args.shape_list:
+            for T in args.token_list:
                 try:
-                    rows.append(run_row(shape, T, args, device, dtype, gdn_forward_only))
-                except torch.OutOfMemoryError:
+                    row = run_row(shape, T, args, device, dtype, gdn_forward_only)
+                except Exception as exc:  # noqa: BLE001 - out of memory is a row, the benchmark goes on
+                    if not is_oom(exc):
+                        raise
+                    free_memory()
                     print(f"{shape} {tokens_label(T)}: OOM", flush=True)
-                    torch.cuda.empty_cache()
                     continue
-                r = rows[-1]
-                print(f"{shape} {tokens_label(T)} {r['step']}: ours {r['ms']:.2f} ms / fla {r['fla_ms']:.2f} ms = "
-                      f"{r['time_ratio']:.3f}; {gib(r['gib'])} / {gib(r['fla_gib'])} GiB = {ratio(r['memory_ratio'])}; "
-                      f"out err {r['out_err']:.1e}", flush=True)
-                write_json(args.json, header, rows, complete=False)
-    write_json(args.json, header, rows, complete=True)
-    print_table(rows, header)
+                rows.append(row)
+                print(f"{shape} {tokens_label(T)} {row['step']}: ours {fmt(row['ms'])} ms / fla {fmt(row['fla_ms'])} ms"
+                      f" = {fmt(row['time_ratio'], '.3f')}; {fmt(row['gib'])} / {fmt(row['fla_gib'])} GiB = "
+                      f"{fmt(row['memory_ratio'], '.3f')}; out err {fmt(row['out_err'], '.1e')}", flush=True)
+                checkpoint("vs_fla", args, rows)
+    print(header)
+    print_table(rows, TABLE)
+    finish("vs_fla", args, rows, {"header": header})
     return 0
 
 
