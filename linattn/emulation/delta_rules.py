@@ -33,9 +33,9 @@ from __future__ import annotations
 import warnings
 
 import torch
-import torch.nn.functional as F
 
 from linattn import reference
+from linattn.kernels import log_decay
 from linattn.parallel import cp as parallel_cp
 
 from .patching import compute_dtype, refuse
@@ -83,7 +83,7 @@ def chunk_gated_delta_rule(
     o_dtype, state_dtype = q.dtype, _state_dtype(q)
     q, k, v, g, beta, A_log, dt_bias = _to_compute(q, k, v, g, beta, A_log, dt_bias)
     if use_gate_in_kernel:
-        g = _gdn_log_decay(g, A_log, dt_bias)
+        g = log_decay(g, A_log, dt_bias, per_channel=False)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(reference.gated_delta_rule, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype)
@@ -129,7 +129,7 @@ def fused_recurrent_gated_delta_rule(
     if beta is None:  # one per value head (fla's ones_like(q[..., 0]) has the key heads' count)
         beta = v.new_ones(v.shape[:3])
     if use_gate_in_kernel:
-        g = _gdn_log_decay(g, A_log, dt_bias)
+        g = log_decay(g, A_log, dt_bias, per_channel=False)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if gk is None:
         op, decay = reference.gated_delta_rule, (g if g is not None else v.new_zeros(v.shape[:3]))
@@ -194,7 +194,7 @@ def chunk_kda(
     o_dtype, state_dtype = q.dtype, _state_dtype(q)
     q, k, v, g, beta, A_log, dt_bias = _to_compute(q, k, v, g, beta, A_log, dt_bias)
     if use_gate_in_kernel:
-        g = _kda_log_decay(g, A_log, dt_bias, lower_bound)
+        g = log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
     elif safe_gate:
         _check_bounded_gate(g, lower_bound)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
@@ -234,7 +234,7 @@ def fused_recurrent_kda(
     o_dtype, state_dtype = v.dtype, _state_dtype(q)
     q, k, v, g, beta, A_log, dt_bias = _to_compute(q, k, v, g, beta, A_log, dt_bias)
     if use_gate_in_kernel:
-        g = _kda_log_decay(g, A_log, dt_bias, lower_bound)
+        g = log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(reference.kda, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, None, o_dtype, state_dtype)
@@ -252,7 +252,7 @@ def fused_kda_gate(
     if A_log is None and lower_bound is None:  # fla's kernel then takes exp(1) for exp(A_log)
         refuse("fused_kda_gate", "A_log", None, why="without lower_bound is not emulated")
     out_dtype = _gate_dtype(g, output_dtype)
-    return _kda_log_decay(*_to_compute(g, A_log, dt_bias), lower_bound).to(out_dtype)
+    return log_decay(*_to_compute(g, A_log, dt_bias), lower_bound, per_channel=True).to(out_dtype)
 
 
 def fused_gdn_gate(
@@ -263,7 +263,7 @@ def fused_gdn_gate(
 ) -> torch.Tensor:
     """fla's fused_gdn_gate: -exp(A_log) softplus(g + dt_bias) for g `[..., HV]` (dtype as fused_kda_gate)."""
     out_dtype = _gate_dtype(g, output_dtype)
-    return _gdn_log_decay(*_to_compute(g, A_log, dt_bias)).to(out_dtype)
+    return log_decay(*_to_compute(g, A_log, dt_bias), per_channel=False).to(out_dtype)
 
 
 def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -322,26 +322,6 @@ def _state_dtype(q):
 
 def _gate_dtype(g, output_dtype):
     return torch.float64 if g.dtype == torch.float64 and output_dtype == torch.float32 else output_dtype
-
-
-def _kda_log_decay(g, A_log, dt_bias, lower_bound):
-    """KDA's in-kernel gate of raw g `[..., HV, K]`: A_log `[HV]` (or None with lower_bound), dt_bias `[HV*K]`."""
-    HV, K = g.shape[-2:]
-    if dt_bias is not None:
-        g = g + dt_bias.reshape(HV, K)
-    if lower_bound is None:
-        return -A_log.reshape(HV, 1).exp() * F.softplus(g)
-    if A_log is not None:
-        g = A_log.reshape(HV, 1).exp() * g
-    return lower_bound * torch.sigmoid(g)
-
-
-def _gdn_log_decay(g, A_log, dt_bias):
-    """GDN's in-kernel gate of raw g `[..., HV]`: A_log and dt_bias `[HV]`."""
-    HV = g.shape[-1]
-    if dt_bias is not None:
-        g = g + dt_bias.reshape(HV)
-    return -A_log.reshape(HV).exp() * F.softplus(g)
 
 
 def _beta(beta, use_sigmoid, allow_neg_eigval):

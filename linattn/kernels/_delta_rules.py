@@ -103,24 +103,28 @@ def kda(
     return _run_reference("kda", q, k, v, g, beta, *args)
 
 
-def log_decay(g: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor | None = None,
-              lower_bound: float | None = None) -> torch.Tensor:
+def log_decay(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None = None,
+              lower_bound: float | None = None, *, per_channel: bool | None = None) -> torch.Tensor:
     """The log decay from the raw gate input g, in at least float32, as fla's in-kernel gate.
 
-    GDN (g `[B, T, HV]`, A_log and dt_bias `[HV]`): `-exp(A_log) * softplus(g + dt_bias)`.
-    KDA (g `[B, T, HV, K]`, A_log `[HV]`, dt_bias `[HV * K]`): the same per key channel, or with
-    lower_bound `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`, in [lower_bound, 0).
+    GDN (g `[..., HV]`, A_log and dt_bias `[HV]`): `-exp(A_log) * softplus(g + dt_bias)`.
+    KDA (g `[..., HV, K]`, A_log `[HV]`, dt_bias `[HV * K]`): the same per key channel, or with
+    lower_bound `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))`, in [lower_bound, 0); A_log
+    may then be None (fla: `lower_bound * sigmoid(g + dt_bias)`). per_channel None: KDA when g is
+    4-D (the entries' `[B, T, HV, K]`).
     """
-    per_channel = g.dim() == 4
+    per_channel = g.dim() == 4 if per_channel is None else per_channel
+    require(A_log is not None or lower_bound is not None, "A_log", "must be given unless lower_bound is")
     g = at_least_float32(g)
     shape = g.shape[-2:] if per_channel else g.shape[-1:]
     if dt_bias is not None:
-        g = g + at_least_float32(dt_bias).view(shape)
-    rate = at_least_float32(A_log).exp()
-    rate = rate.view(-1, 1) if per_channel else rate
+        g = g + at_least_float32(dt_bias).reshape(shape)
+    if A_log is not None:
+        rate = at_least_float32(A_log).exp()
+        rate = rate.reshape(-1, 1) if per_channel else rate.reshape(-1)
     if lower_bound is None:
         return -rate * F.softplus(g)
-    return lower_bound * torch.sigmoid(rate * g)
+    return lower_bound * torch.sigmoid(g if A_log is None else rate * g)
 
 
 def _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_channel_gate):
