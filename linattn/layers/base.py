@@ -253,13 +253,6 @@ class HeadShardedLinearAttention(nn.Module):
         under CP the CP op takes g and beta computed before it."""
         return x.is_cuda and cp_context is None and selection.gate_norm_backend() == "fla"
 
-    def _gate_in_kernel(self, lower_bound: float | None = None) -> dict:
-        """The kernel entries' arguments for an in-kernel gate from this layer's A_log and dt_bias."""
-        gate = dict(use_gate_in_kernel=True, A_log=self.A_log, dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True)
-        if lower_bound is not None:
-            gate["lower_bound"] = lower_bound
-        return gate
-
 
 def _check_group_grid(tp_group, cp_group) -> None:
     """TP and CP groups must be one [.., CP, TP] grid over the world (Megatron order, as

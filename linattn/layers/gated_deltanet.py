@@ -81,7 +81,8 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         v = v.reshape(1, T, c.num_v_heads, c.head_v_dim)
         # beta and the decay in at least float32 (HF: "if the model is loaded in fp16, A might be -inf")
         if self._fuses_gate(x, cp_context):
-            o = self._delta_rule(q, k, v, a, b, cu_seqlens, **self._gate_in_kernel())
+            o = self._delta_rule(q, k, v, a, b, cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
+                                 dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True)
         else:
             g = kernels.log_decay(a, self.A_log, self.dt_bias)
             o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)

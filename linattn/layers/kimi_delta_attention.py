@@ -58,9 +58,8 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
             # dt_bias added here in float32: the kernel then takes f + dt_bias rounded to the layer
             # dtype once, after the cancellation, like fla's layer takes its bf16 f
             f = (f + at_least_float32(self.dt_bias).view(HV, dk)).to(x.dtype)
-            gate = self._gate_in_kernel(self.config.gate_lower_bound)
-            gate["dt_bias"] = None
-            o = self._delta_rule(q, k, v, f, b, cu_seqlens, **gate)
+            o = self._delta_rule(q, k, v, f, b, cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
+                                 lower_bound=self.config.gate_lower_bound, use_beta_sigmoid_in_kernel=True)
         else:
             g = kernels.log_decay(f, self.A_log, self.dt_bias, self.config.gate_lower_bound)
             o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)
