@@ -98,6 +98,8 @@ class _State:
         if self.autotune is not None:
             from . import autotune
 
+            if self.is_worker and os.environ.get(autotune.RECORDS_ENV):
+                autotune.write_rank_records(os.environ[autotune.RECORDS_ENV])  # an xdist worker's, for the dump
             autotune.restore()
             self.autotune = None
 

@@ -42,10 +42,9 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
     return [hi, (t - hi.float()).bfloat16()]
 
 
-def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Sum over the parts of a and b of bf16 matmuls with float32 output (the lo x lo term,
-    2^-16 of the result, is left out)."""
-    pa, pb = _parts(a), _parts(b)
+def _mm(pa: list[torch.Tensor], pb: list[torch.Tensor]) -> torch.Tensor:
+    """Sum over the bf16 parts of a and b (`_parts`) of matmuls with float32 output (the lo x lo
+    term, 2^-16 of the result, is left out)."""
     out = torch.mm(pa[0], pb[0], out_dtype=torch.float32)
     for extra_a, extra_b in ((pa[1:], pb[:1]), (pa[:1], pb[1:])):
         for ta in extra_a:
@@ -57,18 +56,21 @@ def _mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 class _Bf16SplitLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
         x2 = x.reshape(-1, x.shape[-1])
-        return _mm(x2, weight.t()).view(*x.shape[:-1], weight.shape[0])
+        x_parts, w_parts = _parts(x2), _parts(weight)
+        # backward reads only the bf16 hi parts: saved instead of float32 x or weight, half the bytes
+        ctx.save_for_backward(x_parts[0], w_parts[0])
+        ctx.shapes_and_dtypes = (x.shape, x.dtype, weight.dtype)
+        return _mm(x_parts, [p.t() for p in w_parts]).view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight = ctx.saved_tensors
+        x_hi, w_hi = ctx.saved_tensors
+        x_shape, x_dtype, w_dtype = ctx.shapes_and_dtypes
         dy2 = dy.reshape(-1, dy.shape[-1]).bfloat16()
-        w = weight.bfloat16()
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            dx = torch.mm(dy2, w, out_dtype=torch.float32).view(x.shape).to(x.dtype)
+            dx = torch.mm(dy2, w_hi, out_dtype=torch.float32).view(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
-            dw = torch.mm(dy2.t(), x.reshape(-1, x.shape[-1]).bfloat16(), out_dtype=torch.float32).to(weight.dtype)
+            dw = torch.mm(dy2.t(), x_hi, out_dtype=torch.float32).to(w_dtype)
         return dx, dw

@@ -76,6 +76,7 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         qkv, b, a = self._project_inputs(x)
         weights = self.conv1d.weight.squeeze(1).split([c.key_dim, c.key_dim, c.value_dim], dim=0)
         q, k, v = self._short_conv(qkv, list(weights), cu_seqlens, cp_context)
+        del qkv  # the projections are the conv's inputs only: without grad, not held through the recurrence
         q = q.reshape(1, T, c.num_k_heads, c.head_k_dim)
         k = k.reshape(1, T, c.num_k_heads, c.head_k_dim)
         v = v.reshape(1, T, c.num_v_heads, c.head_v_dim)

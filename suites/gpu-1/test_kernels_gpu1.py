@@ -132,7 +132,7 @@ def test_gdn_direct_route_matches_reference(H, HV):
 
 def test_gdn_default_route_runs_backward():
     # route=None takes selection.gdn_route(): it must never pick a route whose backward fla refuses
-    check_delta_rule("gated_delta_rule", *delta_inputs(False, 2, 4))
+    check_delta_rule("gated_delta_rule", *delta_inputs(False, *HEADS[0]))
     assert selection.gdn_route() == ("kda" if GDN_BWD_REFUSED else "gated_delta_rule")
 
 
