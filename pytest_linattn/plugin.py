@@ -130,6 +130,13 @@ def pytest_configure(config):
         config.addinivalue_line("markers", line)
     state = config.stash[_STATE] = _State(config)
     config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
+    if state.is_worker and "OMP_NUM_THREADS" not in os.environ:
+        # xdist's workers share the cores, as a pool's ranks do
+        import torch
+
+        from .pool import thread_share
+
+        torch.set_num_threads(thread_share(config.workerinput.get("workercount", 1)))
     from .launcher import launcher_world_size
 
     world_size = launcher_world_size()

@@ -67,6 +67,13 @@ def check_world_size(world_size) -> int:
     return world_size
 
 
+
+def thread_share(processes: int) -> int:
+    """CPU threads for each of `processes` processes sharing this machine (a pool's ranks, xdist's
+    workers), unless OMP_NUM_THREADS says otherwise: more OpenMP threads than cores spin and
+    thrash, and slow every process (gpu-1's four xdist workers ran each test 2.5x slower)."""
+    return max(1, (os.cpu_count() or 1) // max(1, processes))
+
 class Pool:
     """world_size ranks of one device with an initialised process group, reusable until broken."""
 
@@ -108,8 +115,7 @@ class Pool:
             # to an address gloo cannot bind in a container.
             env["GLOO_SOCKET_IFNAME"] = "lo"
         if self.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            # N ranks on a shared CPU: one thread each unless told otherwise, to avoid thrashing.
-            env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // self.world_size))
+            env["OMP_NUM_THREADS"] = str(thread_share(self.world_size))
         ctx = multiprocessing.get_context("spawn")
         main_thread = threading.current_thread() is threading.main_thread()
         # The collective timeout is a backstop only: the parent enforces the real one.

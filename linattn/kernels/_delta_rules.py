@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn import selection
-from linattn.checks import require
+from linattn.checks import fail, require
 
 from ._norm import at_least_float32
 
@@ -44,7 +44,8 @@ def gated_delta_rule(
     beta holds logits. Both as fla's chunk_gated_delta_rule; on CPU tensors computed in at least
     float32 before the reference, on the "kda" route before the gate is broadcast.
     """
-    require(route is None or route in ROUTES, "route", f"must be None or one of {ROUTES}, got {route!r}")
+    if not (route is None or route in ROUTES):
+        fail("route", f"must be None or one of {ROUTES}, got {route!r}")
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=False)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, None, per_channel_gate=False)
     if route is None:
@@ -89,7 +90,8 @@ def kda(
     `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` (A_log `[HV]`, dt_bias `[HV * K]`);
     use_beta_sigmoid_in_kernel: beta holds logits. Both as fla's chunk_kda; on CPU tensors computed
     in at least float32 before the reference. route: None or "kda" only."""
-    require(route in (None, "kda"), "route", f"must be None or 'kda' for KDA, got {route!r}")
+    if route not in (None, "kda"):
+        fail("route", f"must be None or 'kda' for KDA, got {route!r}")
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=True)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_channel_gate=True)
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
@@ -133,12 +135,13 @@ def _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_
             require(value is None, name, "is read only with use_gate_in_kernel=True; pass None otherwise")
         return
     HV = g.shape[2]
-    require(isinstance(A_log, torch.Tensor) and A_log.numel() == HV, "A_log",
-            f"must be a tensor of HV={HV} elements with use_gate_in_kernel=True, got {getattr(A_log, 'shape', A_log)!r}")
+    if not (isinstance(A_log, torch.Tensor) and A_log.numel() == HV):
+        fail("A_log", f"must be a tensor of HV={HV} elements with use_gate_in_kernel=True, got {getattr(A_log, 'shape', A_log)!r}")
     bias_numel = HV * g.shape[3] if per_channel_gate else HV
-    require(dt_bias is None or dt_bias.numel() == bias_numel, "dt_bias",
-            f"must be None or a tensor of {bias_numel} elements, got {getattr(dt_bias, 'shape', dt_bias)!r}")
-    require(lower_bound is None or lower_bound < 0, "lower_bound", f"must be None or negative, got {lower_bound!r}")
+    if not (dt_bias is None or dt_bias.numel() == bias_numel):
+        fail("dt_bias", f"must be None or a tensor of {bias_numel} elements, got {getattr(dt_bias, 'shape', dt_bias)!r}")
+    if not (lower_bound is None or lower_bound < 0):
+        fail("lower_bound", f"must be None or negative, got {lower_bound!r}")
 
 
 def gdn_as_kda_inputs(q, k, v, g):
@@ -158,24 +161,32 @@ def gdn_as_kda_inputs(q, k, v, g):
 def validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate):
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         require(isinstance(t, torch.Tensor) and t.is_floating_point(), name, "must be a floating-point tensor")
-        require(t.device == q.device, name, f"must be on q's device {q.device}, got {t.device}")
-    require(q.dim() == 4, "q", f"must be [B, T, H, K], got shape {tuple(q.shape)}")
-    require(k.shape == q.shape, "k", f"must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
+        if t.device != q.device:
+            fail(name, f"must be on q's device {q.device}, got {t.device}")
+    if q.dim() != 4:
+        fail("q", f"must be [B, T, H, K], got shape {tuple(q.shape)}")
+    if k.shape != q.shape:
+        fail("k", f"must have q's shape {tuple(q.shape)}, got {tuple(k.shape)}")
     B, T, H, K = q.shape
-    require(v.dim() == 4 and v.shape[:2] == (B, T), "v", f"must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
+    if not (v.dim() == 4 and v.shape[:2] == (B, T)):
+        fail("v", f"must be [B, T, HV, V] with B={B}, T={T}, got {tuple(v.shape)}")
     HV, V = v.shape[2], v.shape[3]
-    require(HV % H == 0, "v", f"must have a head count HV that is a multiple of H={H}, got HV={HV}")
+    if HV % H:
+        fail("v", f"must have a head count HV that is a multiple of H={H}, got HV={HV}")
     gate_shape = (B, T, HV, K) if per_channel_gate else (B, T, HV)
-    require(tuple(g.shape) == gate_shape, "g", f"must have shape {gate_shape}, got {tuple(g.shape)}")
-    require(tuple(beta.shape) == (B, T, HV), "beta", f"must have shape {(B, T, HV)}, got {tuple(beta.shape)}")
+    if tuple(g.shape) != gate_shape:
+        fail("g", f"must have shape {gate_shape}, got {tuple(g.shape)}")
+    if tuple(beta.shape) != (B, T, HV):
+        fail("beta", f"must have shape {(B, T, HV)}, got {tuple(beta.shape)}")
     if cu_seqlens is not None:
-        require(cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2, "cu_seqlens",
-                f"must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
-        require(B == 1, "q", f"must have batch size 1 when cu_seqlens is given, got {B}")
+        if not (cu_seqlens.dim() == 1 and cu_seqlens.numel() >= 2):
+            fail("cu_seqlens", f"must be 1-D with at least 2 entries, got shape {tuple(cu_seqlens.shape)}")
+        if B != 1:
+            fail("q", f"must have batch size 1 when cu_seqlens is given, got {B}")
     if initial_state is not None:
         N = B if cu_seqlens is None else cu_seqlens.numel() - 1
-        require(tuple(initial_state.shape) == (N, HV, K, V), "initial_state",
-                f"must have shape {(N, HV, K, V)} (one state per sequence), got {tuple(initial_state.shape)}")
+        if tuple(initial_state.shape) != (N, HV, K, V):
+            fail("initial_state", f"must have shape {(N, HV, K, V)} (one state per sequence), got {tuple(initial_state.shape)}")
 
 
 def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
@@ -208,11 +219,12 @@ def _fla_state_args(q, initial_state, cu_seqlens):
 
 
 def _gate_kwargs(use_gate_in_kernel, A_log, dt_bias):
-    # fla's gate kernels read A_log and dt_bias in float32 (the layer's may be bf16)
+    # as given, as fla's layers pass them: its gate kernels load them to float32 and return their
+    # gradients summed in float32, rounded to their dtype once (no float32 copies per call)
     if not use_gate_in_kernel:
         return {}
-    return dict(use_gate_in_kernel=True, A_log=A_log.float().reshape(-1),
-                dt_bias=None if dt_bias is None else dt_bias.float().reshape(-1))
+    return dict(use_gate_in_kernel=True, A_log=A_log.reshape(-1),
+                dt_bias=None if dt_bias is None else dt_bias.reshape(-1))
 
 
 def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,

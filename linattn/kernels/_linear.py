@@ -14,7 +14,7 @@ is rounded to its operand's dtype.
 import torch
 import torch.nn.functional as F
 
-from linattn.checks import require
+from linattn.checks import fail
 
 BACKENDS = ("torch", "bf16_split")
 
@@ -22,15 +22,17 @@ BACKENDS = ("torch", "bf16_split")
 def float32_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "torch") -> torch.Tensor:
     """x `[..., in]` @ weight `[out, in]`.T in float32 precision, returned in float32 (float64
     stays float64 with the "torch" backend)."""
-    require(backend in BACKENDS, "backend", f"must be one of {BACKENDS}, got {backend!r}")
-    require(weight.dim() == 2 and x.shape[-1] == weight.shape[1], "weight",
-            f"must be [out, {x.shape[-1]}], got shape {tuple(weight.shape)}")
+    if backend not in BACKENDS:
+        fail("backend", f"must be one of {BACKENDS}, got {backend!r}")
+    if not (weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
+        fail("weight", f"must be [out, {x.shape[-1]}], got shape {tuple(weight.shape)}")
     if backend == "torch":
         up = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
         return F.linear(x.to(up), weight.to(up))
-    require(x.is_cuda and weight.is_cuda, "backend", f"'bf16_split' needs CUDA tensors, got {x.device}")
-    require(weight.dtype in (torch.bfloat16, torch.float32), "weight",
-            f"must be bf16 or float32 for 'bf16_split', got {weight.dtype}")
+    if not (x.is_cuda and weight.is_cuda):
+        fail("backend", f"'bf16_split' needs CUDA tensors, got {x.device}")
+    if weight.dtype not in (torch.bfloat16, torch.float32):
+        fail("weight", f"must be bf16 or float32 for 'bf16_split', got {weight.dtype}")
     return _Bf16SplitLinear.apply(x, weight)
 
 

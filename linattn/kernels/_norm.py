@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn import selection
-from linattn.checks import require
+from linattn.checks import fail
 
 BACKENDS = ("torch", "fla")
 ACTIVATIONS = ("silu", "sigmoid")
@@ -40,14 +40,19 @@ def gated_rms_norm(
     returns x's dtype (the output projection's input). backend None: "fla" for CUDA tensors where
     `selection.gate_norm_backend()` picks it, else "torch".
     """
-    require(backend is None or backend in BACKENDS, "backend", f"must be None or one of {BACKENDS}, got {backend!r}")
-    require(activation in ACTIVATIONS, "activation", f"must be one of {ACTIVATIONS}, got {activation!r}")
-    require(gate.shape == x.shape, "gate", f"must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
-    require(weight.shape == x.shape[-1:], "weight", f"must have shape {tuple(x.shape[-1:])}, got {tuple(weight.shape)}")
+    if not (backend is None or backend in BACKENDS):
+        fail("backend", f"must be None or one of {BACKENDS}, got {backend!r}")
+    if activation not in ACTIVATIONS:
+        fail("activation", f"must be one of {ACTIVATIONS}, got {activation!r}")
+    if gate.shape != x.shape:
+        fail("gate", f"must have x's shape {tuple(x.shape)}, got {tuple(gate.shape)}")
+    if weight.shape != x.shape[-1:]:
+        fail("weight", f"must have shape {tuple(x.shape[-1:])}, got {tuple(weight.shape)}")
     if backend is None:
         backend = selection.gate_norm_backend() if x.is_cuda else "torch"
     if backend == "fla":
-        require(x.is_cuda, "backend", f"'fla' runs fla's GPU kernel and needs CUDA tensors, got x on {x.device}")
+        if not x.is_cuda:
+            fail("backend", f"'fla' runs fla's GPU kernel and needs CUDA tensors, got x on {x.device}")
         from fla.modules.norm.fused_norm_gate import rms_norm_gated
 
         # fla's kernel wants one dtype for x, gate and weight

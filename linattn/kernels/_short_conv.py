@@ -8,7 +8,7 @@
 import torch
 
 from linattn import selection
-from linattn.checks import require
+from linattn.checks import fail
 
 BACKENDS = ("torch",) + selection.CONV_BACKENDS
 ACTIVATIONS = ("silu", "swish", None)
@@ -26,16 +26,20 @@ def short_conv(
 
     backend None: `selection.short_conv_backend()` for CUDA tensors, "torch" otherwise.
     """
-    require(backend is None or backend in BACKENDS, "backend", f"must be None or one of {BACKENDS}, got {backend!r}")
-    require(activation in ACTIVATIONS, "activation", f"must be one of {ACTIVATIONS}, got {activation!r}")
-    require(isinstance(x, torch.Tensor) and x.dim() == 3, "x", f"must be a [B, T, D] tensor, got {getattr(x, 'shape', x)!r}")
-    require(weight.dim() == 2 and weight.shape[0] == x.shape[2], "weight",
-            f"must be [D, W] with D={x.shape[2]}, got shape {tuple(weight.shape)}")
+    if not (backend is None or backend in BACKENDS):
+        fail("backend", f"must be None or one of {BACKENDS}, got {backend!r}")
+    if activation not in ACTIVATIONS:
+        fail("activation", f"must be one of {ACTIVATIONS}, got {activation!r}")
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3):
+        fail("x", f"must be a [B, T, D] tensor, got {getattr(x, 'shape', x)!r}")
+    if not (weight.dim() == 2 and weight.shape[0] == x.shape[2]):
+        fail("weight", f"must be [D, W] with D={x.shape[2]}, got shape {tuple(weight.shape)}")
     if backend is None:
         backend = selection.short_conv_backend() if x.is_cuda else "torch"
     if backend == "torch":
         return _short_conv_torch(x, weight, cu_seqlens, bias, activation)
-    require(x.is_cuda, "backend", f"{backend!r} runs fla's GPU kernels and needs CUDA tensors, got x on {x.device}")
+    if not x.is_cuda:
+        fail("backend", f"{backend!r} runs fla's GPU kernels and needs CUDA tensors, got x on {x.device}")
     return _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend)
 
 
@@ -51,7 +55,8 @@ def _short_conv_torch(x, weight, cu_seqlens, bias, activation):
 def _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend):
     from fla.modules.causal_conv1d import causal_conv1d
 
-    require(cu_seqlens is None or x.shape[0] == 1, "x", f"must have batch size 1 when cu_seqlens is given, got {x.shape[0]}")
+    if not (cu_seqlens is None or x.shape[0] == 1):
+        fail("x", f"must have batch size 1 when cu_seqlens is given, got {x.shape[0]}")
     # fla's kernels (and causal-conv1d's) want one dtype; the casts are no-ops for matching dtypes
     weight = weight.to(x.dtype)
     bias = bias.to(x.dtype) if bias is not None else None

@@ -37,9 +37,9 @@ class GatedDeltaNet(HeadShardedLinearAttention):
             # head): the weight rows are gathered into block-major order so each projection writes
             # its output contiguously, with no copy of the activations
             rows = self._qwen3_next_rows(x.device)
-            w, w_ba = self.in_proj_qkvz.weight, self.in_proj_ba.weight
-            return ([F.linear(x, w[rows["q"]]), F.linear(x, w[rows["k"]]), F.linear(x, w[rows["v"]])],
-                    F.linear(x, w_ba[rows["b"]]), F.linear(x, w_ba[rows["a"]]))
+            qkv = self.in_proj_qkvz.weight[rows["qkv"]].split([c.key_dim, c.key_dim, c.value_dim], dim=0)
+            b, a = self.in_proj_ba.weight[rows["ba"]].split(c.num_v_heads, dim=0)
+            return [F.linear(x, part) for part in qkv], F.linear(x, b), F.linear(x, a)
         w = self.in_proj_qkv.weight
         qkv = [F.linear(x, part) for part in w.split([c.key_dim, c.key_dim, c.value_dim], dim=0)]
         return qkv, F.linear(x, self.in_proj_b.weight), F.linear(x, self.in_proj_a.weight)
@@ -54,9 +54,10 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         return z.view(1, x.shape[1], c.num_v_heads, c.head_v_dim)
 
     def _qwen3_next_rows(self, device) -> dict:
-        """Row indices of q, k, v, z in in_proj_qkvz and of b, a in in_proj_ba (block-major order)."""
+        """Row indices of [q | k | v] and of z in in_proj_qkvz, and of [b | a] in in_proj_ba
+        (block-major order: one gather each)."""
         cached = getattr(self, "_rows", None)
-        if cached is None or cached["q"].device != device:
+        if cached is None or cached["qkv"].device != device:
             c = self.local_config
             H, r, dk, dv = c.num_k_heads, c.v_heads_per_k_head, c.head_k_dim, c.head_v_dim
             per_head = torch.arange(H, device=device).view(H, 1)
@@ -65,8 +66,8 @@ class GatedDeltaNet(HeadShardedLinearAttention):
             def rows(base, start, width):
                 return (base + torch.arange(start, start + width, device=device)).reshape(-1)
 
-            cached = dict(q=rows(qkvz, 0, dk), k=rows(qkvz, dk, dk), v=rows(qkvz, 2 * dk, r * dv),
-                          z=rows(qkvz, 2 * dk + r * dv, r * dv), b=rows(ba, 0, r), a=rows(ba, r, r))
+            cached = dict(qkv=torch.cat([rows(qkvz, 0, dk), rows(qkvz, dk, dk), rows(qkvz, 2 * dk, r * dv)]),
+                          z=rows(qkvz, 2 * dk + r * dv, r * dv), ba=torch.cat([rows(ba, 0, r), rows(ba, r, r)]))
             self._rows = cached
         return cached
 

@@ -49,9 +49,11 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         # in f, and with the lower bound sigmoid(exp(A_log) * f) multiplies it by up to 16. fla and
         # HF round the projections to bf16. On CUDA they run on bf16 tensor cores with float32
         # output (kernels.float32_linear). f_a_proj is replicated (its output feeds every rank's
-        # heads); under TP its gradient is summed in float32.
+        # heads); under TP its gradient is summed in float32 (without TP there is no sum, and no
+        # float32 copy of the weight).
         proj = "bf16_split" if x.is_cuda else "torch"
-        f_low_rank = kernels.float32_linear(x, self._replicated(at_least_float32(self.f_a_proj.weight)), proj)
+        f_a_weight = self.f_a_proj.weight if self.tp_size == 1 else self._replicated(at_least_float32(self.f_a_proj.weight))
+        f_low_rank = kernels.float32_linear(x, f_a_weight, proj)
         f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj).view(1, T, HV, dk)
         b = F.linear(x, self.b_proj.weight)
         if self._fuses_gate(x, cp_context):

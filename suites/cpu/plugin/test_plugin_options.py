@@ -336,3 +336,35 @@ def test_gpu_count_without_a_driver_needs_no_torch(monkeypatch):
     assert gpus._gpu_driver_present()
     monkeypatch.setattr(gpus, "sys", types.SimpleNamespace(platform="darwin", modules={}))
     assert gpus._gpu_driver_present()
+
+
+@pytest.mark.parametrize("omp", [None, "1"], ids=["shared", "OMP_NUM_THREADS"])
+def test_xdist_workers_share_the_cores(pytester, monkeypatch, omp):
+    """Each of n xdist workers computes on cpu_count // n threads (as a pool's ranks do), unless
+    OMP_NUM_THREADS is set: then torch's own choice stands."""
+    pytest.importorskip("xdist")
+    from pytest_linattn.pool import thread_share
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    if omp is not None:
+        monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    expected = thread_share(2) if omp is None else int(omp)
+    pytester.makepyfile(test_threads=f"""
+        import torch
+
+        def test_a():
+            assert torch.get_num_threads() == {expected}
+
+        def test_b():
+            assert torch.get_num_threads() == {expected}
+    """)
+    pytester.runpytest_subprocess("-n", "2", "-p", "pytest_linattn").assert_outcomes(passed=2)
+
+
+def test_thread_share():
+    from pytest_linattn.pool import thread_share
+
+    cores = os.cpu_count() or 1
+    assert thread_share(1) == cores
+    assert thread_share(cores * 4) == 1
+    assert thread_share(0) == cores
