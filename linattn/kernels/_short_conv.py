@@ -5,6 +5,8 @@
 "mix" is its FastCausalConv1dFn, a Triton forward with causal-conv1d's CUDA backward.
 """
 
+import weakref
+
 import torch
 
 from linattn import selection
@@ -60,7 +62,30 @@ def _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend):
     # fla's kernels (and causal-conv1d's) want one dtype; the casts are no-ops for matching dtypes
     weight = weight.to(x.dtype)
     bias = bias.to(x.dtype) if bias is not None else None
+    extra = {}
     if cu_seqlens is not None:
         cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.long)
-    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, backend=backend, cu_seqlens=cu_seqlens)
+        if backend in ("cuda", "mix"):
+            extra["seq_idx"] = _int32_sequence_ids(cu_seqlens, x.shape[1])
+    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, backend=backend, cu_seqlens=cu_seqlens,
+                         **extra)
     return y.to(x.dtype)
+
+
+# id(cu_seqlens) -> (weakref to it, its _version, int32 sequence ids [1, T])
+_SEQUENCE_IDS: dict[int, tuple] = {}
+
+
+def _int32_sequence_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+    """causal-conv1d's seq_idx for a boundaries tensor, built once per tensor (as fla caches its own
+    indices per tensor). Without it fla builds one per call, which each conv's backward keeps:
+    4 bytes a token per conv of a layer (KDA's three: a step's peak 0.2-0.8 MB over fla's layer)."""
+    key = id(cu_seqlens)
+    hit = _SEQUENCE_IDS.get(key)
+    if hit is not None and hit[0]() is cu_seqlens and hit[1] == cu_seqlens._version:
+        return hit[2]
+    # (fla's prepare_sequence_ids caches by identity only: a tensor changed in place would get stale ids)
+    sequences = torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device, dtype=torch.int32)
+    seq_idx = torch.repeat_interleave(sequences, cu_seqlens.diff(), output_size=tokens).unsqueeze(0)
+    _SEQUENCE_IDS[key] = (weakref.ref(cu_seqlens, lambda _: _SEQUENCE_IDS.pop(key, None)), cu_seqlens._version, seq_idx)
+    return seq_idx

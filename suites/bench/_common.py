@@ -45,6 +45,10 @@ SHAPES = {
                           head_k_dim=128, head_v_dim=128, output_gate_rank=128),
     "qwen3-next": dict(family="qwen3_next", hidden_size=2048, num_k_heads=16, num_v_heads=32,
                        head_k_dim=128, head_v_dim=128),
+    # Qwen3.5's layout (separate q/k/v, z, b, a projections: fla's GatedDeltaNet's) at its config's
+    # defaults (transformers' Qwen3_5TextConfig); not in "prod": bench_vs_fla's like-for-like GDN row
+    "qwen3.5": dict(family="qwen3_5", hidden_size=4096, num_k_heads=16, num_v_heads=32,
+                    head_k_dim=128, head_v_dim=128),
     # CPU smoke shapes: every code path, seconds on two cores
     "tiny-kda": dict(family="kda", hidden_size=64, num_k_heads=4, num_v_heads=4,
                      head_k_dim=16, head_v_dim=16, output_gate_rank=16),

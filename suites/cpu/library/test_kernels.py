@@ -237,3 +237,21 @@ def test_float32_linear_refuses_bad_arguments():
         kernels.float32_linear(x, weight, "tf32")
     with pytest.raises(ValueError, match=r"weight must be \[out, 4\]"):
         kernels.float32_linear(x, torch.randn(3, 5))
+
+
+def test_conv_sequence_ids_built_once_per_boundaries_tensor():
+    # causal-conv1d's seq_idx (the "cuda" and "mix" backends): one tensor per cu_seqlens tensor, so a
+    # layer's three convs share it and a step allocates none; a changed or new tensor gets its own
+    from linattn.kernels import _short_conv
+
+    cu = torch.tensor([0, 2, 5, 6])
+    ids = _short_conv._int32_sequence_ids(cu, 6)
+    assert ids.dtype == torch.int32 and ids.tolist() == [[0, 0, 1, 1, 1, 2]]
+    assert _short_conv._int32_sequence_ids(cu, 6) is ids
+    other = torch.tensor([0, 3, 6])
+    assert _short_conv._int32_sequence_ids(other, 6).tolist() == [[0, 0, 0, 1, 1, 1]]
+    cu[1] = 1  # changed in place: its _version moved on
+    assert _short_conv._int32_sequence_ids(cu, 6).tolist() == [[0, 1, 1, 1, 1, 2]]
+    key = id(other)
+    del other
+    assert key not in _short_conv._SEQUENCE_IDS
