@@ -19,8 +19,8 @@
 # ignores a carried one).
 # The tests need no carried cache: they search no configs (--linattn-autotune shipped, the
 # plugin's default: the configs in pytest_linattn/fla_configs/, else each kernel's first config),
-# so a fresh machine only compiles one config per kernel (gpu-1: about 105 s, measured with one
-# config per kernel; 65-75 s with a warm cache). The benchmarks still search (they time the fastest
+# so a fresh machine only compiles one config per kernel (gpu-1: 67-71 s of tests on a fresh
+# machine, in four processes grouped by the kernels they compile; docs/gpu-results.md). The benchmarks still search (they time the fastest
 # config), and there the cache still saves minutes.
 set -uo pipefail
 START=${LINATTN_GPU_START:-$(date +%s)}
