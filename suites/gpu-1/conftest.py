@@ -1,10 +1,12 @@
 """gpu-1's schedule over its test processes (suites.toml: `-n 4 --dist loadgroup`).
 
-On a fresh machine nearly all of gpu-1's time is Triton compiling fla's kernels, on the CPU, once
-per test process and per variant (op, gate form, state layout, head count: compile-time
-constants). Tests that compile the same variants share an xdist group, so one process compiles
-them once while the other groups compile side by side; with `--dist loadfile` two processes
-compiled chunk_kda's kernels at once and the suite took as long as its longest file.
+On a fresh machine most of gpu-1's time is Triton compiling fla's kernels, on the CPU, once per
+test process and per variant (op, gate form, state layout, head count: compile-time constants).
+Tests that compile the same variants share an xdist group, so one process compiles them while
+the other groups compile side by side (with `--dist loadfile` two processes compiled chunk_kda's
+kernels at once). It pays only because each worker computes on its share of the cores
+(pytest_linattn.pool.thread_share): 67-71 s on a fresh H200, 133 s in one process
+(docs/gpu-results.md).
 """
 
 from pathlib import Path
