@@ -57,9 +57,10 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj).view(1, T, HV, dk)
         b = F.linear(x, self.b_proj.weight)
         if self._fuses_gate(x, cp_context):
-            # dt_bias added here in float32: the kernel then takes f + dt_bias rounded to the layer
-            # dtype once, after the cancellation, like fla's layer takes its bf16 f
-            f = (f + at_least_float32(self.dt_bias).view(HV, dk)).to(x.dtype)
+            # dt_bias added here in float32 (f's dtype: the add promotes it, no copy): the kernel
+            # then takes f + dt_bias rounded to the layer dtype once, after the cancellation, like
+            # fla's layer takes its bf16 f
+            f = (f + self.dt_bias.view(HV, dk)).to(x.dtype)
             o = self._delta_rule(q, k, v, f, b, cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
                                  lower_bound=self.config.gate_lower_bound, use_beta_sigmoid_in_kernel=True)
         else:
