@@ -67,13 +67,13 @@ def check_world_size(world_size) -> int:
     return world_size
 
 
-
 def thread_share(processes: int) -> int:
     """CPU threads for each of `processes` processes sharing this machine (a pool's ranks, xdist's
     workers), unless OMP_NUM_THREADS says otherwise: more OpenMP threads than cores spin and
     thrash, and slow every process (gpu-1's four xdist workers on 16 cores: their tests' summed
     time was 454 s with torch's 16 threads each, 135 s with 4; docs/gpu-results.md)."""
     return max(1, (os.cpu_count() or 1) // max(1, processes))
+
 
 class Pool:
     """world_size ranks of one device with an initialised process group, reusable until broken."""

@@ -3,7 +3,8 @@
 On a GPU: runs the gpu-1 (and, with two GPUs, gpu-2) suites in this process with Triton's search
 (--linattn-autotune search, FLA_CACHE_MODE unset), so every kernel tunes at the suites' shapes;
 then reads every Triton Autotuner's results (this process's, and each rank's and xdist
-worker's, written when its pool or session closes) and writes one fla config file per kernel into OUT/<GPU>/, then a table.
+worker's, written when its pool or session closes) and writes one fla config file per kernel
+into OUT/<GPU>/, then a table.
 
     python3 suites/bench/dump_fla_configs.py --out DIR [--suites gpu-1,gpu-2] [--resume DIR]
     python3 suites/bench/dump_fla_configs.py --out DIR --gpu NVIDIA_H200 --records R.json ...
@@ -75,7 +76,7 @@ def run_suites(suites: list[str], records_dir: str) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     args = [str(ROOT / "suites" / s) for s in suites]
-    if len(suites) == 1:  # the suite's own processes (gpu-1: -n 4, grouped by kernel), so the search runs side by side
+    if len(suites) == 1:  # the suite's own processes (gpu-1: -n 4, grouped by kernel): searches side by side
         from pytest_linattn.suites import load_suites
 
         args += list(load_suites(ROOT)[suites[0]].pytest_args)
