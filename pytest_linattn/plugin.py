@@ -98,10 +98,17 @@ class _State:
         if self.autotune is not None:
             from . import autotune
 
-            if self.is_worker and os.environ.get(autotune.RECORDS_ENV):
-                autotune.write_rank_records(os.environ[autotune.RECORDS_ENV])  # an xdist worker's, for the dump
+            self.write_autotune_records()
             autotune.restore()
             self.autotune = None
+
+    def write_autotune_records(self):
+        """An xdist worker's autotune results, for suites/bench/dump_fla_configs.py: after every
+        test (a dump cut at its time limit kills the workers before their session closes)."""
+        from . import autotune
+
+        if self.autotune is not None and self.is_worker and os.environ.get(autotune.RECORDS_ENV):
+            autotune.write_rank_records(os.environ[autotune.RECORDS_ENV])
 
     def apply_autotune(self):
         """On CUDA, before any kernel and any pool: the autotune mode, in this process and (through
@@ -369,6 +376,13 @@ def float64_reference():
     from .float64 import float64_reference as fn
 
     return fn
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    state = item.config.stash.get(_STATE, None)
+    if state is not None:
+        state.write_autotune_records()
 
 
 def pytest_terminal_summary(terminalreporter, config):

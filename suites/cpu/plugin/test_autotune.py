@@ -359,3 +359,31 @@ def test_plugin_applies_it_for_cuda_and_undoes_it_after(pytester, monkeypatch):
     result = pytester.runpytest("--linattn-device", "cuda", "--linattn-autotune", "search")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["linattn autotune: search (Triton's autotune)"])
+
+
+RECORDING_TESTS = """
+import os, signal
+import triton
+
+@triton.jit
+def _kernel(x, n, BLOCK: "tl.constexpr"):
+    pass
+
+tuned = triton.autotune(configs=[triton.Config({"BLOCK": 16}), triton.Config({"BLOCK": 32})], key=["n"])(_kernel)
+
+def test_tunes():
+    tuned.cache[(8, "torch.float32")] = tuned.configs[1]
+
+def test_cut():  # a dump's time limit: the worker dies before its session closes
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_xdist_workers_write_their_records_after_every_test(pytester, monkeypatch, tmp_path):
+    monkeypatch.setenv(autotune.RECORDS_ENV, str(tmp_path))
+    monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
+    pytester.makepyfile(RECORDING_TESTS)
+    pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cuda", "-n", "1", "-p", "no:randomly")
+    records = [r for path in tmp_path.glob("*.json") for r in json.loads(path.read_text())]
+    assert {"kernel": "_kernel", "key": [8, "torch.float32"],
+            "config": autotune.config_fields(triton.Config({"BLOCK": 32}))} in records
