@@ -2,8 +2,7 @@
 
 The `choose_*` functions take a `Facts` and return a `Choice` (the value and a human reason);
 they read nothing from the machine, so every branch is testable on a CPU. The wrappers
-`short_conv_backend()`, `gate_norm_backend()`, `grouped_projection_backend()`,
-`kda_tilelang_setting()` and `gdn_route()` read the real facts once
+`short_conv_backend()`, `gate_norm_backend()`, `kda_tilelang_setting()` and `gdn_route()` read the real facts once
 per process, log the choice at INFO on the "linattn.selection" logger, and cache it.
 
 Everything here mirrors fla 0.6.0; the comments cite the file that each rule copies.
@@ -128,17 +127,6 @@ def choose_gate_norm_backend(facts: Facts) -> Choice:
     return Choice("fla" if fused else "torch", f"{where}: gate, beta sigmoid and gated norm {how}")
 
 
-def choose_grouped_projection(facts: Facts) -> Choice:
-    """`strided` or `gather` for projections through a weight whose rows are grouped per head
-    (Qwen3-Next's in_proj_qkvz; `linattn.kernels.grouped_rows_linear`). On CUDA copying the rows
-    costs a step about 50 MB of memory traffic at Qwen3-Next's shape (0.5% of a 16k-token
-    forward on H200); batched matmuls over the rows in place copy none. On a CPU the rows are
-    gathered: one plain matmul, the float64 references' path."""
-    if facts.cuda_available:
-        return Choice("strided", "CUDA: batched matmuls over the grouped rows in place, no copy of them")
-    return Choice("gather", "no CUDA: grouped rows copied, then one matmul")
-
-
 def choose_kda_tilelang(facts: Facts) -> Choice:
     """The FLA_TILELANG value to be in force for KDA's backward (None: unset, fla's default).
 
@@ -243,13 +231,6 @@ def short_conv_backend() -> str:
 def gate_norm_backend() -> str:
     choice = choose_gate_norm_backend(read_facts())
     logger.info("gate / beta / gated norm: %s (%s)", choice.value, choice.reason)
-    return choice.value
-
-
-@functools.cache
-def grouped_projection_backend() -> str:
-    choice = choose_grouped_projection(read_facts())
-    logger.info("grouped-rows projection: %s (%s)", choice.value, choice.reason)
     return choice.value
 
 

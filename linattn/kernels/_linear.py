@@ -1,5 +1,4 @@
-"""Linear layers: float32 output for bf16 weights (`float32_linear`) and projections through blocks
-of a weight whose rows are grouped per head (`grouped_rows_linear`); backends as a parameter.
+"""A linear layer with float32 output for bf16 weights: one entry, backends as a parameter.
 
 KDA's gate is computed in float32 from its input projections on (see kimi_delta_attention.py).
 "torch" upcasts both operands and runs a float32 matmul (any device; on CUDA without TF32 that
@@ -18,7 +17,6 @@ import torch.nn.functional as F
 from linattn.checks import fail
 
 BACKENDS = ("torch", "bf16_split")
-GROUPED_BACKENDS = ("gather", "strided")
 
 
 def float32_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "torch") -> torch.Tensor:
@@ -78,70 +76,3 @@ class _Bf16SplitLinear(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             dw = torch.mm(dy2.t(), x_hi, out_dtype=torch.float32).to(w_dtype)
         return dx, dw
-
-
-def grouped_rows_linear(x: torch.Tensor, weight: torch.Tensor, groups: int, blocks, backend: str = "gather"):
-    """x `[..., in]` through blocks of a weight whose rows are grouped: `groups` groups of
-    weight.shape[0] // groups rows each, and block (start, width) is rows start .. start + width of
-    every group (Qwen3-Next's in_proj_qkvz: [q | k | v | z] per key head). One output per block,
-    `[..., groups * width]`, group-major: F.linear(x, weight.view(groups, -1, in)[:, start:start +
-    width].reshape(-1, in)).
-
-    "gather" copies the block's rows, then one matmul (any device). "strided" runs one batched
-    matmul per block over the groups' rows where they lie (x as a stride-0 batch, the output
-    written group-major in place), so the forward copies no weight rows (on CUDA about 50 MB a
-    step at Qwen3-Next's shape); its backward copies each block's rows once for dx."""
-    if backend not in GROUPED_BACKENDS:
-        fail("backend", f"must be one of {GROUPED_BACKENDS}, got {backend!r}")
-    if not (weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
-        fail("weight", f"must be [out, {x.shape[-1]}], got shape {tuple(weight.shape)}")
-    if not (isinstance(groups, int) and groups > 0 and weight.shape[0] % groups == 0):
-        fail("groups", f"must be a positive int dividing weight's {weight.shape[0]} rows, got {groups!r}")
-    per_group = weight.shape[0] // groups
-    blocks = tuple((int(start), int(width)) for start, width in blocks)
-    for start, width in blocks:
-        if not (0 <= start and 0 < width and start + width <= per_group):
-            fail("blocks", f"each (start, width) must lie in a group's {per_group} rows, got {(start, width)}")
-    if backend == "gather":
-        rows = weight.view(groups, per_group, -1)
-        return [F.linear(x, rows[:, start:start + width].reshape(groups * width, -1)) for start, width in blocks]
-    if x.dtype != weight.dtype:  # torch.bmm(out=) neither promotes nor autocasts
-        fail("x", f"must have weight's dtype {weight.dtype} for 'strided', got {x.dtype}")
-    return list(_StridedGroupedLinear.apply(x, weight, groups, blocks))
-
-
-class _StridedGroupedLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, groups, blocks):
-        x2 = x.reshape(-1, x.shape[-1])
-        T, D = x2.shape
-        rows = weight.view(groups, -1, D)
-        outs = []
-        for start, width in blocks:
-            out = x2.new_empty(T, groups, width)
-            torch.bmm(x2.expand(groups, T, D), rows[:, start:start + width].transpose(1, 2), out=out.transpose(0, 1))
-            outs.append(out.view(*x.shape[:-1], groups * width))
-        ctx.save_for_backward(x2, weight)
-        ctx.meta = (x.shape, groups, blocks)
-        return tuple(outs)
-
-    @staticmethod
-    def backward(ctx, *grads):
-        x2, weight = ctx.saved_tensors
-        x_shape, groups, blocks = ctx.meta
-        T, D = x2.shape
-        rows = weight.view(groups, -1, D)
-        live = [(start, width, dy.reshape(T, groups, width)) for (start, width), dy in zip(blocks, grads)
-                if dy is not None]
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = torch.zeros_like(x2)
-            for start, width, dy in live:
-                dx.addmm_(dy.reshape(T, groups * width), rows[:, start:start + width].reshape(groups * width, D))
-            dx = dx.view(x_shape)
-        if ctx.needs_input_grad[1]:
-            dw = torch.zeros_like(weight)
-            dw_rows = dw.view(groups, -1, D)
-            for start, width, dy in live:
-                torch.bmm(dy.permute(1, 2, 0), x2.expand(groups, T, D), out=dw_rows[:, start:start + width])
-        return dx, dw, None, None

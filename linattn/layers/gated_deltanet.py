@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from linattn import kernels, selection
+from linattn import kernels
 from linattn.kernels import at_least_float32
 
 from .base import HeadShardedLinearAttention
@@ -34,13 +34,12 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         c = self.local_config
         if c.family == "qwen3_next":
             # rows grouped per key head ([q dk | k dk | v r*dv | z r*dv] and [b r | a r] for each
-            # head); each projection writes its output head-major, with no copy of the activations
-            dk, rdv, r = c.head_k_dim, c.v_heads_per_k_head * c.head_v_dim, c.v_heads_per_k_head
-            qkv = kernels.grouped_rows_linear(x, self.in_proj_qkvz.weight, c.num_k_heads,
-                                              [(0, dk), (dk, dk), (2 * dk, rdv)], self._grouped_backend(x))
-            # b and a: 2r rows a head, fewer bytes to copy than a batched matmul of width r costs
-            b, a = kernels.grouped_rows_linear(x, self.in_proj_ba.weight, c.num_k_heads, [(0, r), (r, r)])
-            return qkv, b, a
+            # head): the weight rows are gathered into block-major order so each projection writes
+            # its output contiguously, with no copy of the activations
+            rows = self._qwen3_next_rows(x.device)
+            qkv = self.in_proj_qkvz.weight[rows["qkv"]].split([c.key_dim, c.key_dim, c.value_dim], dim=0)
+            b, a = self.in_proj_ba.weight[rows["ba"]].split(c.num_v_heads, dim=0)
+            return [F.linear(x, part) for part in qkv], F.linear(x, b), F.linear(x, a)
         w = self.in_proj_qkv.weight
         qkv = [F.linear(x, part) for part in w.split([c.key_dim, c.key_dim, c.value_dim], dim=0)]
         return qkv, F.linear(x, self.in_proj_b.weight), F.linear(x, self.in_proj_a.weight)
@@ -49,19 +48,28 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         """z `[1, T, HV, dv]`: projected after the recurrence, so it is not held through it."""
         c = self.local_config
         if c.family == "qwen3_next":
-            z_rows = (2 * c.head_k_dim + c.value_dim // c.num_k_heads, c.value_dim // c.num_k_heads)
-            z = kernels.grouped_rows_linear(x, self.in_proj_qkvz.weight, c.num_k_heads, [z_rows],
-                                            self._grouped_backend(x))[0]
+            z = F.linear(x, self.in_proj_qkvz.weight[self._qwen3_next_rows(x.device)["z"]])
         else:
             z = F.linear(x, self.in_proj_z.weight)
         return z.view(1, x.shape[1], c.num_v_heads, c.head_v_dim)
 
-    def _grouped_backend(self, x: torch.Tensor) -> str:
-        """in_proj_qkvz's projections: `linattn.selection`'s choice on CUDA, else (and for x in
-        another dtype than the weight, as under autocast) gathered rows."""
-        if x.is_cuda and x.dtype == self.in_proj_qkvz.weight.dtype:
-            return selection.grouped_projection_backend()
-        return "gather"
+    def _qwen3_next_rows(self, device) -> dict:
+        """Row indices of [q | k | v] and of z in in_proj_qkvz, and of [b | a] in in_proj_ba
+        (block-major order: one gather each)."""
+        cached = getattr(self, "_rows", None)
+        if cached is None or cached["qkv"].device != device:
+            c = self.local_config
+            H, r, dk, dv = c.num_k_heads, c.v_heads_per_k_head, c.head_k_dim, c.head_v_dim
+            per_head = torch.arange(H, device=device).view(H, 1)
+            qkvz, ba = per_head * (2 * dk + 2 * r * dv), per_head * (2 * r)
+
+            def rows(base, start, width):
+                return (base + torch.arange(start, start + width, device=device)).reshape(-1)
+
+            cached = dict(qkv=torch.cat([rows(qkvz, 0, dk), rows(qkvz, dk, dk), rows(qkvz, 2 * dk, r * dv)]),
+                          z=rows(qkvz, 2 * dk + r * dv, r * dv), ba=torch.cat([rows(ba, 0, r), rows(ba, r, r)]))
+            self._rows = cached
+        return cached
 
     def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
         c = self.local_config

@@ -6,7 +6,7 @@ collectives, and the remainder (glue) = layer time minus the sum of the measured
 
 How the parts are measured: the layer step is timed whole; then one forward (no grad) records
 every call the layer makes to a part, with the actual input tensors:
-  projections  torch.nn.functional.linear, linattn.kernels.float32_linear and grouped_rows_linear
+  projections  torch.nn.functional.linear and linattn.kernels.float32_linear (every projection)
   conv         layer._short_conv (the one short-conv call site; under CP with its halo exchange)
   recurrence   layer._delta_rule (the recurrence call site; under CP with its state exchange)
   norm         linattn.kernels.gated_rms_norm
@@ -52,7 +52,7 @@ def record_calls(layer, x, cu) -> list:
         return recorded
 
     module_patches = [(torch.nn.functional, "linear", "projections"), (linattn.kernels, "float32_linear", "projections"),
-                      (linattn.kernels, "grouped_rows_linear", "projections"), (linattn.kernels, "gated_rms_norm", "norm")]
+                      (linattn.kernels, "gated_rms_norm", "norm")]
     method_patches = {"_short_conv": "conv", "_delta_rule": "recurrence", "_replicated": "collectives",
                       "_enter_tensor_parallel_region": "collectives", "_exit_tensor_parallel_region": "collectives"}
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in module_patches]
@@ -86,7 +86,7 @@ def replay(fn, args, kwargs, *, iters: int, warmup: int, device) -> dict:
     cotangent = {}
 
     def bwd(out):
-        # every output that carries a gradient (the conv's q, k and v; each block's projection)
+        # every output that carries a gradient (the conv's q, k and v, not q alone)
         outs = [o for o in (out if isinstance(out, (tuple, list)) else [out])
                 if isinstance(o, torch.Tensor) and o.requires_grad]
         if "t" not in cotangent:  # made in the first (warm-up) iteration

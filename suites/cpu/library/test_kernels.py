@@ -239,54 +239,6 @@ def test_float32_linear_refuses_bad_arguments():
         kernels.float32_linear(x, torch.randn(3, 5))
 
 
-# ---- grouped-rows linear ---------------------------------------------------------------------
-
-GROUPS, PER_GROUP, IN = 3, 10, 7
-BLOCKS = [(0, 2), (2, 3), (7, 3)]  # q | k | v-like blocks of every group, rows 5..7 in none
-
-
-def grouped_inputs(seed=SEED):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 5, IN, generator=gen, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(GROUPS * PER_GROUP, IN, generator=gen, dtype=torch.float64, requires_grad=True)
-    return x, weight, gen
-
-
-@pytest.mark.parametrize("backend", ["gather", "strided"])
-def test_grouped_rows_linear_is_the_linear_of_each_blocks_rows(backend):
-    x, weight, gen = grouped_inputs()
-    outs = kernels.grouped_rows_linear(x, weight, GROUPS, BLOCKS, backend)
-    rows = weight.view(GROUPS, PER_GROUP, IN)
-    # the last block's output is left out of the loss: its gradient is None in the backward
-    dys = [torch.randn(o.shape, generator=gen, dtype=torch.float64) for o in outs[:-1]]
-    dx, dw = torch.autograd.grad(sum((o * dy).sum() for o, dy in zip(outs, dys)), (x, weight))
-    want = [x @ torch.cat([rows[g, s:s + w] for g in range(GROUPS)]).T for s, w in BLOCKS]
-    want_dx, want_dw = torch.autograd.grad(sum((o * dy).sum() for o, dy in zip(want, dys)), (x, weight))
-    for got, expected in [*zip(outs, want), (dx, want_dx), (dw, want_dw)]:
-        assert got.shape == expected.shape and rel_err(got, expected) < 1e-14
-    assert dw.view(GROUPS, PER_GROUP, IN)[:, 7:].abs().sum() == 0  # the left-out block's rows
-
-
-def test_grouped_rows_linear_strided_gradcheck():
-    x, weight, _ = grouped_inputs()
-    assert torch.autograd.gradcheck(
-        lambda x, w: tuple(kernels.grouped_rows_linear(x, w, GROUPS, BLOCKS, "strided")), (x, weight))
-
-
-def test_grouped_rows_linear_refuses_bad_arguments():
-    x, weight, _ = grouped_inputs()
-    with pytest.raises(ValueError, match="backend must be one of"):
-        kernels.grouped_rows_linear(x, weight, GROUPS, BLOCKS, "index")
-    with pytest.raises(ValueError, match="groups must be a positive int dividing weight's 30 rows, got 4"):
-        kernels.grouped_rows_linear(x, weight, 4, BLOCKS)
-    with pytest.raises(ValueError, match=r"blocks each \(start, width\) must lie in a group's 10 rows, got \(8, 3\)"):
-        kernels.grouped_rows_linear(x, weight, GROUPS, [(8, 3)])
-    with pytest.raises(ValueError, match=r"weight must be \[out, 7\]"):
-        kernels.grouped_rows_linear(x, weight[:, :6], GROUPS, BLOCKS)
-    with pytest.raises(ValueError, match="x must have weight's dtype torch.float64 for 'strided', got torch.float32"):
-        kernels.grouped_rows_linear(x.float(), weight, GROUPS, BLOCKS, "strided")
-
-
 def test_conv_sequence_ids_built_once_per_boundaries_tensor():
     # causal-conv1d's seq_idx (the "cuda" and "mix" backends): one tensor per cu_seqlens tensor, so a
     # layer's three convs share it and a step allocates none; a changed or new tensor gets its own

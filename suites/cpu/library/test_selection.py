@@ -8,8 +8,8 @@ from dataclasses import replace
 import pytest
 
 from linattn import selection
-from linattn.selection import (Facts, choose_gate_norm_backend, choose_gdn_route, choose_grouped_projection,
-                               choose_kda_tilelang, choose_short_conv_backend)
+from linattn.selection import (Facts, choose_gate_norm_backend, choose_gdn_route, choose_kda_tilelang,
+                               choose_short_conv_backend)
 
 BLACKWELL = dict(cuda_available=True, capability=(10, 0), triton_version="3.6.0")
 HOPPER = dict(cuda_available=True, capability=(9, 0), triton_version="3.6.0")
@@ -101,12 +101,6 @@ def test_gate_norm_backend(facts, value):
     assert choose_gate_norm_backend(facts).value == value
 
 
-@pytest.mark.parametrize("facts, value", [
-    (Facts(**HOPPER), "strided"), (Facts(**AMPERE), "strided"), (Facts(), "gather")])
-def test_grouped_projection(facts, value):
-    assert choose_grouped_projection(facts).value == value
-
-
 @pytest.mark.parametrize("base", [BLACKWELL, AMPERE], ids=["blackwell", "ampere"])
 def test_gdn_route_direct_off_hopper(base):
     assert choose_gdn_route(Facts(**base)).value == "gated_delta_rule"
@@ -142,7 +136,7 @@ def fresh_wrappers(monkeypatch):
         monkeypatch.setenv(name, "placeholder")
         monkeypatch.delenv(name)
     wrappers = (selection.short_conv_backend, selection.kda_tilelang_setting, selection.gdn_route,
-                selection.gate_norm_backend, selection.grouped_projection_backend)
+                selection.gate_norm_backend)
     for wrapper in wrappers:
         wrapper.cache_clear()
     yield
