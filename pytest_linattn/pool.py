@@ -75,6 +75,13 @@ def thread_share(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 
+def rank_thread_share(world_size: int, environ=os.environ) -> int:
+    """A CPU pool rank's threads: the cores shared by every rank of every pool that runs at once,
+    world_size ranks in each of the xdist workers (PYTEST_XDIST_WORKER_COUNT, set in each worker)."""
+    workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    return thread_share(world_size * workers)
+
+
 class Pool:
     """world_size ranks of one device with an initialised process group, reusable until broken."""
 
@@ -116,7 +123,7 @@ class Pool:
             # to an address gloo cannot bind in a container.
             env["GLOO_SOCKET_IFNAME"] = "lo"
         if self.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(thread_share(self.world_size))
+            env["OMP_NUM_THREADS"] = str(rank_thread_share(self.world_size))
         ctx = multiprocessing.get_context("spawn")
         main_thread = threading.current_thread() is threading.main_thread()
         # The collective timeout is a backstop only: the parent enforces the real one.
