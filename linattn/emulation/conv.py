@@ -69,6 +69,18 @@ def _final_state(x, W, initial_state, cu_seqlens):
     return torch.stack(states)
 
 
+def _check_seq_idx(function: str, seq_idx, cu_seqlens, tokens: int) -> None:
+    """seq_idx (causal-conv1d's per-token sequence index, `[1, T]`, that fla's "mix" and "cuda"
+    backends read) beside cu_seqlens is the same boundaries again: emulated when it is exactly
+    cu_seqlens' index; alone it would mean other sequences per backend ("triton" ignores it)."""
+    if cu_seqlens is None:
+        refuse(function, "seq_idx", "<tensor>", "is emulated only beside cu_seqlens, the boundaries it repeats")
+    sequences = torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device)
+    expected = torch.repeat_interleave(sequences, cu_seqlens.diff().long(), output_size=tokens).unsqueeze(0)
+    if tuple(seq_idx.shape) != (1, tokens) or not torch.equal(seq_idx.long().to(expected.device), expected):
+        refuse(function, "seq_idx", "<tensor>", f"differs from cu_seqlens' per-token sequence index {expected.tolist()}")
+
+
 def causal_conv1d(
     x: torch.Tensor,
     weight: torch.Tensor | None = None,
@@ -86,7 +98,8 @@ def causal_conv1d(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """fla's ``causal_conv1d``: returns ``(y, final_state)``, final_state None unless requested.
 
-    cu_seqlens_cpu / chunk_indices are fla's precomputed metadata and not needed here."""
+    cu_seqlens_cpu / chunk_indices are fla's precomputed metadata and not needed here; seq_idx
+    (in kwargs, as fla takes it) is checked against cu_seqlens."""
     name = "causal_conv1d"
     if weight is None:
         refuse(name, "weight", None)
@@ -94,7 +107,7 @@ def causal_conv1d(
     if backend not in BACKENDS:
         raise ValueError(f"Unsupported backend: {backend}")
     if kwargs.get("seq_idx") is not None:
-        refuse(name, "seq_idx", "<tensor>", "is not emulated: pass cu_seqlens")
+        _check_seq_idx(name, kwargs["seq_idx"], cu_seqlens, x.shape[1])
     shape = x.shape
     if x.shape[-1] != weight.shape[0]:
         x = x.flatten(2)  # [B, T, H, K] -> [B, T, H*K], as fla

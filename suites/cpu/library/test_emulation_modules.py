@@ -235,12 +235,27 @@ def test_fused_norm_modules_through_the_switch():
 # refusals
 
 
+def test_conv_seq_idx_beside_cu_seqlens_is_accepted():
+    # what the project's layers pass fla's "cuda" and "mix" backends (kernels._short_conv)
+    from linattn.kernels._short_conv import _int32_sequence_ids
+
+    gen = torch.Generator().manual_seed(7)
+    x, weight = torch.randn(1, 9, D, generator=gen, dtype=F64), torch.randn(D, W, generator=gen, dtype=F64)
+    cu = torch.tensor([0, 4, 4, 9])  # an empty sequence too
+    plain, _ = conv.causal_conv1d(x, weight, cu_seqlens=cu, backend="cuda")
+    with_ids, _ = conv.causal_conv1d(x, weight, cu_seqlens=cu, backend="cuda", seq_idx=_int32_sequence_ids(cu, 9))
+    assert torch.equal(plain, with_ids)
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: conv.causal_conv1d(torch.ones(1, 2, D), torch.ones(D, W), activation="relu"),
      r"causal_conv1d\(activation='relu'\)"),
     (lambda: conv.causal_conv1d(torch.ones(1, 2, D), None), r"causal_conv1d\(weight=None\)"),
     (lambda: conv.causal_conv1d(torch.ones(1, 2, D), torch.ones(D, W), seq_idx=torch.zeros(1, 2)),
-     r"causal_conv1d\(seq_idx="),
+     r"causal_conv1d\(seq_idx='<tensor>'\) is emulated only beside cu_seqlens"),
+    (lambda: conv.causal_conv1d(torch.ones(1, 3, D), torch.ones(D, W), cu_seqlens=torch.tensor([0, 1, 3]),
+                                seq_idx=torch.zeros(1, 3, dtype=torch.int32)),
+     r"causal_conv1d\(seq_idx='<tensor>'\) differs from cu_seqlens' per-token sequence index \[\[0, 1, 1\]\]"),
     (lambda: conv.causal_conv1d_update(torch.ones(2, D), None, weight=torch.ones(D, W)),
      r"causal_conv1d_update\(cache=None\)"),
     (lambda: norm.rms_norm_gated(torch.ones(2, 3), torch.ones(2, 3), None, None, "tanh"),
