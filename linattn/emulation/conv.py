@@ -78,7 +78,8 @@ def _check_seq_idx(function: str, seq_idx, cu_seqlens, tokens: int) -> None:
     sequences = torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device)
     expected = torch.repeat_interleave(sequences, cu_seqlens.diff().long(), output_size=tokens).unsqueeze(0)
     if tuple(seq_idx.shape) != (1, tokens) or not torch.equal(seq_idx.long().to(expected.device), expected):
-        refuse(function, "seq_idx", "<tensor>", f"differs from cu_seqlens' per-token sequence index {expected.tolist()}")
+        refuse(function, "seq_idx", "<tensor>",
+               f"differs from cu_seqlens' per-token sequence index {expected.tolist()}")
 
 
 def causal_conv1d(

@@ -81,11 +81,11 @@ def run_suites(suites: list[str], records_dir: str) -> int:
 
         args += list(load_suites(ROOT)[suites[0]].pytest_args)
     args += ["--linattn-autotune", "search", "--linattn-device", "cuda", "--tp", "2", "--cp", "2",
-             "-p", "no:cacheprovider", "-q", "-rfEs", f"--rootdir={ROOT}",
+             "-p", "no:cacheprovider", "-v", "-rfEs", f"--rootdir={ROOT}",
              "-W", "ignore::pytest.PytestAssertRewriteWarning"]  # this script imported the plugin first
     if "pytest_linattn" not in os.environ.get("PYTEST_PLUGINS", ""):
         args += ["-p", "pytest_linattn"]
-    print("pytest", " ".join(args), flush=True)
+    print("pytest", " ".join(args), flush=True)  # -v: each finished test named, so a cut run says which were not
     return int(pytest.main(args))
 
 
