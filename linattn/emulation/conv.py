@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from linattn.emulation.patching import compute_dtype, refuse
+from linattn.kernels._short_conv import _int32_sequence_ids
 from linattn.reference import short_conv as reference_short_conv
 
 ACTIVATIONS = (None, "silu", "swish")
@@ -75,9 +76,8 @@ def _check_seq_idx(function: str, seq_idx, cu_seqlens, tokens: int) -> None:
     cu_seqlens' index; alone it would mean other sequences per backend ("triton" ignores it)."""
     if cu_seqlens is None:
         refuse(function, "seq_idx", "<tensor>", "is emulated only beside cu_seqlens, the boundaries it repeats")
-    sequences = torch.arange(cu_seqlens.numel() - 1, device=cu_seqlens.device)
-    expected = torch.repeat_interleave(sequences, cu_seqlens.diff().long(), output_size=tokens).unsqueeze(0)
-    if tuple(seq_idx.shape) != (1, tokens) or not torch.equal(seq_idx.long().to(expected.device), expected):
+    expected = _int32_sequence_ids(cu_seqlens, tokens)  # what the project's layers pass fla
+    if tuple(seq_idx.shape) != (1, tokens) or not torch.equal(seq_idx.to(expected), expected):
         refuse(function, "seq_idx", "<tensor>",
                f"differs from cu_seqlens' per-token sequence index {expected.tolist()}")
 
