@@ -88,6 +88,10 @@ class _State:
 
     def close(self):
         if self.launcher is not None:
+            # Rank 0's report goes into the stream first: once it says it is over the other ranks
+            # exit, and torchrun logs into the same stream (and stops rank 0) from then on.
+            if self.config.pluginmanager.get_plugin("terminalreporter") is not None:
+                self.config.get_terminal_writer().flush()
             self.launcher.finish()
             if self.launcher.terminal_fd is not None:
                 os.close(self.launcher.terminal_fd)

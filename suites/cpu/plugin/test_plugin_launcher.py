@@ -119,6 +119,9 @@ def test_faults_under_torchrun(pytester):
                 os.killpg(proc.pid, 9)
                 proc.wait()
     for fault, text in texts.items():
+        # pytest shows a failed test's captured output whole (an assertion's message it cuts)
+        print(f"===== torchrun output, fault {fault!r}, exit code {runs[fault].returncode} =====\n{text}")
+    for fault, text in texts.items():
         assert runs[fault].returncode != 0, text
         # One report: rank 1 runs quietly; the fault's test fails, the session stops after it.
         assert text.count("test session starts") == 1, text
