@@ -9,6 +9,10 @@ bf16 operand is exact there, and a float32 input is split into two bf16 parts, h
 Gradients are bf16-precise: the incoming gradient is rounded to bf16 (exact where it comes from
 a bf16 kernel, as in the layers) and x enters the weight's gradient as its hi part; each result
 is rounded to its operand's dtype.
+
+bias and round_to: KDA's f + dt_bias, rounded to bf16 once after the cancellation, in one pass
+over the float32 output (and, with "bf16_split", its backward takes the bf16 gradient as it comes
+instead of through float32 copies).
 """
 
 import torch
@@ -19,21 +23,27 @@ from linattn.checks import fail
 BACKENDS = ("torch", "bf16_split")
 
 
-def float32_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """x `[..., in]` @ weight `[out, in]`.T in float32 precision, returned in float32 (float64
-    stays float64 with the "torch" backend)."""
+def float32_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "torch", *,
+                   bias: torch.Tensor | None = None, round_to: torch.dtype | None = None) -> torch.Tensor:
+    """x `[..., in]` @ weight `[out, in]`.T (+ bias `[out]`) in float32 precision, returned in
+    float32 (float64 stays float64 with the "torch" backend), or rounded once to round_to."""
     if backend not in BACKENDS:
         fail("backend", f"must be one of {BACKENDS}, got {backend!r}")
     if not (weight.dim() == 2 and x.shape[-1] == weight.shape[1]):
         fail("weight", f"must be [out, {x.shape[-1]}], got shape {tuple(weight.shape)}")
+    if not (bias is None or bias.shape == weight.shape[:1]):
+        fail("bias", f"must be None or [{weight.shape[0]}], got shape {tuple(bias.shape)}")
+    if not (round_to is None or (isinstance(round_to, torch.dtype) and round_to.is_floating_point)):
+        fail("round_to", f"must be None or a floating dtype, got {round_to!r}")
     if backend == "torch":
         up = torch.float64 if torch.float64 in (x.dtype, weight.dtype) else torch.float32
-        return F.linear(x.to(up), weight.to(up))
+        y = F.linear(x.to(up), weight.to(up), None if bias is None else bias.to(up))
+        return y if round_to is None else y.to(round_to)
     if not (x.is_cuda and weight.is_cuda):
         fail("backend", f"'bf16_split' needs CUDA tensors, got {x.device}")
     if weight.dtype not in (torch.bfloat16, torch.float32):
         fail("weight", f"must be bf16 or float32 for 'bf16_split', got {weight.dtype}")
-    return _Bf16SplitLinear.apply(x, weight)
+    return _Bf16SplitLinear.apply(x, weight, bias, round_to)
 
 
 def _parts(t: torch.Tensor) -> list[torch.Tensor]:
@@ -47,32 +57,45 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
 def _mm(pa: list[torch.Tensor], pb: list[torch.Tensor]) -> torch.Tensor:
     """Sum over the bf16 parts of a and b (`_parts`) of matmuls with float32 output (the lo x lo
     term, 2^-16 of the result, is left out)."""
-    out = torch.mm(pa[0], pb[0], out_dtype=torch.float32)
-    for extra_a, extra_b in ((pa[1:], pb[:1]), (pa[:1], pb[1:])):
-        for ta in extra_a:
-            for tb in extra_b:
-                out += torch.mm(ta, tb, out_dtype=torch.float32)
+    terms = [(pa[0], pb[0])] + [(ta, pb[0]) for ta in pa[1:]] + [(pa[0], tb) for tb in pb[1:]]
+    if len(terms) > 1 and pa[0].shape[1] <= pb[0].shape[1]:
+        # inner dimension no wider than the output (f_b_proj: 128 -> HV * dk): one matmul over
+        # the terms stacked along it, cheaper than adding float32 outputs
+        return torch.mm(torch.cat([ta for ta, _ in terms], dim=1), torch.cat([tb for _, tb in terms], dim=0),
+                        out_dtype=torch.float32)
+    out = torch.mm(*terms[0], out_dtype=torch.float32)
+    for ta, tb in terms[1:]:
+        out += torch.mm(ta, tb, out_dtype=torch.float32)
     return out
 
 
 class _Bf16SplitLinear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight):
+    def forward(ctx, x, weight, bias, round_to):
         x2 = x.reshape(-1, x.shape[-1])
         x_parts, w_parts = _parts(x2), _parts(weight)
         # backward reads only the bf16 hi parts: saved instead of float32 x or weight, half the bytes
         ctx.save_for_backward(x_parts[0], w_parts[0])
-        ctx.shapes_and_dtypes = (x.shape, x.dtype, weight.dtype)
-        return _mm(x_parts, [p.t() for p in w_parts]).view(*x.shape[:-1], weight.shape[0])
+        ctx.shapes_and_dtypes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        y = _mm(x_parts, [p.t() for p in w_parts])
+        if round_to not in (None, torch.float32):
+            # the bias added in float32 and the sum rounded in one pass
+            out = torch.empty(y.shape, dtype=round_to, device=y.device)
+            y = torch.add(y, bias, out=out) if bias is not None else y.to(round_to)
+        elif bias is not None:
+            y += bias
+        return y.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, dy):
         x_hi, w_hi = ctx.saved_tensors
-        x_shape, x_dtype, w_dtype = ctx.shapes_and_dtypes
-        dy2 = dy.reshape(-1, dy.shape[-1]).bfloat16()
-        dx = dw = None
+        x_shape, x_dtype, w_dtype, bias_dtype = ctx.shapes_and_dtypes
+        dy2 = dy.reshape(-1, dy.shape[-1]).bfloat16()  # no copy when round_to was bf16
+        dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(dy2, w_hi, out_dtype=torch.float32).view(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.mm(dy2.t(), x_hi, out_dtype=torch.float32).to(w_dtype)
-        return dx, dw
+        if ctx.needs_input_grad[2]:
+            dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(bias_dtype)
+        return dx, dw, dbias, None

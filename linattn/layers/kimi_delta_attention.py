@@ -54,16 +54,16 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         proj = "bf16_split" if x.is_cuda else "torch"
         f_a_weight = self.f_a_proj.weight if self.tp_size == 1 else self._replicated(at_least_float32(self.f_a_proj.weight))
         f_low_rank = kernels.float32_linear(x, f_a_weight, proj)
-        f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj).view(1, T, HV, dk)
         b = F.linear(x, self.b_proj.weight)
         if self._fuses_gate(x, cp_context):
-            # dt_bias added here in float32 (f's dtype: the add promotes it, no copy): the kernel
-            # then takes f + dt_bias rounded to the layer dtype once, after the cancellation, like
-            # fla's layer takes its bf16 f
-            f = (f + self.dt_bias.view(HV, dk)).to(x.dtype)
+            # dt_bias added in float32 with f_b_proj: the kernel then takes f + dt_bias rounded to
+            # the layer dtype once, after the cancellation, like fla's layer takes its bf16 f
+            f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj, bias=self.dt_bias.reshape(-1),
+                                       round_to=x.dtype).view(1, T, HV, dk)
             o = self._delta_rule(q, k, v, f, b, cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
                                  lower_bound=self.config.gate_lower_bound, use_beta_sigmoid_in_kernel=True)
         else:
+            f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj).view(1, T, HV, dk)
             g = kernels.log_decay(f, self.A_log, self.dt_bias, self.config.gate_lower_bound)
             o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)
 

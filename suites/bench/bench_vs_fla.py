@@ -12,7 +12,7 @@ outputs' relative difference, so a row times two layers computing the same funct
 A row is forward + backward, each layer's median over --iters rounds after --warmup untimed ones
 (the first compiles; `_timing.measure_interleaved`: a round runs both layers, in rotated order). `GiB` is a step's peak
 memory above what was allocated before it (the step's activations, gradients and workspace; the
-weights and the input are resident for both). Where fla refuses GDN's backward
+weights and the input are resident for both), measured from an emptied allocator cache. Where fla refuses GDN's backward
 (`linattn.selection.choose_gdn_route`), GDN rows time the forward only, for both layers, and the
 `step` column says so.
 
@@ -84,10 +84,13 @@ def layer_calls(call, params, x, dy, backward: bool):
 
 
 def step_peak_gib(fwd, bwd, reset, device) -> float | None:
-    """Peak memory of one step above what was allocated before it (None on a CPU)."""
+    """Peak memory of one step above what was allocated before it (None on a CPU), from an empty
+    cache: a block the allocator hands out from a cached segment may be larger than asked for, so
+    the figure would depend on what ran before (rows 40 KB apart by the order they ran in)."""
     if device.type != "cuda":
         return None
     reset()
+    free_memory()
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     reset_peak(device)

@@ -165,3 +165,27 @@ def test_float32_linear_bf16_split_keeps_float32_precision(x_dtype):
     for name, grad, grad_ref, dtype in zip(("dx", "dweight"), grads, grads_ref, (x_dtype, DTYPE)):
         assert grad.dtype == dtype
         assert_parity(grad, grad_ref, rtol=1e-5 if dtype == torch.float32 else 2 ** -8, name=f"float32_linear {name}")
+
+
+def test_float32_linear_bf16_split_adds_the_bias_before_one_rounding():
+    # KDA's fused gate: f_b_proj(f_low) + dt_bias, the sum rounded to bf16 once (dt_bias cancels
+    # most of the product, so rounding the product first would lose f's leading bits)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    T, IN, OUT = 2048, 128, 1024
+    x, weight, bias = draw((1, T, IN), gen), draw((OUT, IN), gen) / IN ** 0.5, draw((OUT,), gen) * 4
+    (x, weight, bias), (x64, w64, b64) = leaves([x, weight, bias], [torch.float32, DTYPE, torch.float32])
+    y = kernels.float32_linear(x, weight, "bf16_split", bias=bias, round_to=DTYPE)
+    y_ref = x64 @ w64.T + b64
+    assert y.dtype == DTYPE
+    assert_parity(y, y_ref, rtol=2 ** -8, name="float32_linear+bias y")
+    # one rounding of the float32 sum: the exact sum rounded to bf16, but where float32's error
+    # (about 2^-16 of the product) crosses a rounding boundary; a rounded product would miss often
+    same = (y == y_ref.to(DTYPE)).double().mean().item()
+    assert same > 0.99, f"only {same:.4f} of the outputs are the exact sum rounded once"
+    dy = draw((1, T, OUT), gen).to(DTYPE).to(DEVICE)  # the kernel's bf16 gradient, taken as it comes
+    grads = grads_of([y], [dy], [x, weight, bias])
+    grads_ref = grads_of([y_ref], [dy.double()], [x64, w64, b64])
+    for name, grad, grad_ref, dtype in zip(("dx", "dweight", "dbias"), grads, grads_ref,
+                                            (torch.float32, DTYPE, torch.float32)):
+        assert grad.dtype == dtype
+        assert_parity(grad, grad_ref, rtol=2 ** -8 if dtype == DTYPE else 1e-5, name=f"float32_linear+bias {name}")

@@ -229,6 +229,17 @@ def test_float32_linear_torch_is_the_upcast_linear():
     assert kernels.float32_linear(x.double(), weight).dtype == torch.float64
 
 
+def test_float32_linear_torch_adds_the_bias_before_rounding_once():
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(1, 64, 16, generator=gen)
+    weight = torch.randn(32, 16, generator=gen).bfloat16()
+    bias = torch.randn(32, generator=gen) * 4
+    y = kernels.float32_linear(x, weight, bias=bias, round_to=torch.bfloat16)
+    assert y.dtype == torch.bfloat16
+    assert torch.equal(y, (F.linear(x, weight.float()) + bias).bfloat16())
+    assert torch.equal(kernels.float32_linear(x, weight, bias=bias), F.linear(x, weight.float(), bias))
+
+
 def test_float32_linear_refuses_bad_arguments():
     x, weight = torch.randn(2, 4), torch.randn(3, 4)
     with pytest.raises(ValueError, match="backend 'bf16_split' needs CUDA tensors"):
@@ -237,6 +248,10 @@ def test_float32_linear_refuses_bad_arguments():
         kernels.float32_linear(x, weight, "tf32")
     with pytest.raises(ValueError, match=r"weight must be \[out, 4\]"):
         kernels.float32_linear(x, torch.randn(3, 5))
+    with pytest.raises(ValueError, match=r"bias must be None or \[3\], got shape \(4,\)"):
+        kernels.float32_linear(x, weight, bias=torch.randn(4))
+    with pytest.raises(ValueError, match="round_to must be None or a floating dtype, got torch.int32"):
+        kernels.float32_linear(x, weight, round_to=torch.int32)
 
 
 def test_conv_sequence_ids_built_once_per_boundaries_tensor():
