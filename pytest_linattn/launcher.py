@@ -184,7 +184,9 @@ class LauncherSession:
             keys = [self._key(call.number, "status", r) for r in range(self.world_size)]
             while not call.aborted.is_set() and not self.store.check(keys):
                 time.sleep(_POLL)
-            if call.aborted.is_set():
+            # Another rank's abort may have freed this one (closed its connections) before this
+            # rank's watchdog saw it: every status is then in, and only the store says aborted.
+            if call.aborted.is_set() or self.store.check([self._key(call.number, "abort")]):
                 self._raise_broken(call, dist, fn)
             outcomes = [pickle.loads(self.store.get(self._key(call.number, "out", r)))
                         for r in range(self.world_size)]
@@ -233,12 +235,13 @@ class LauncherSession:
             return False
 
     def _clean_up(self, number: int) -> None:
-        # The last rank to read a call's outcomes deletes them: values may be large.
+        # The last rank to read a call's outcomes deletes them: values may be large. The few bytes
+        # of status stay: a watchdog may be between checking one and getting it, and a get of a
+        # deleted key waits for the store's timeout (holding the store client from the main thread).
         try:
             if self.store.add(self._key(number, "read"), 1) == self.world_size:
                 for r in range(self.world_size):
-                    for what in ("out", "status"):
-                        self.store.delete_key(self._key(number, what, r))
+                    self.store.delete_key(self._key(number, "out", r))
         except Exception:
             pass
 
@@ -382,6 +385,10 @@ class LauncherSession:
         answered = {int(r) for r in answered.split(",") if r}
         silent = set(range(self.world_size)) - set(stacks) - set(outcomes)
         errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error" and r in answered}
+        for r, o in outcomes.items():
+            # Freed by the abort before its watchdog looked: where it raised is where it was.
+            if r not in answered and o[0] == "error" and stacks.get(r, "").startswith("(had returned"):
+                stacks[r] = o[1]
         story = launcher_abort(self._call_name(fn, call), reason, silent=silent, errors=errors,
                                stacks={r: st for r, st in stacks.items() if r not in answered},
                                tests={o[2] for o in outcomes.values() if len(o) > 2})
