@@ -40,6 +40,7 @@ FREE_WAIT = 4.0  # after an abort, how long a stuck rank gets to be freed
 OVER_WAIT = 60.0  # how long a non-zero rank waits for rank 0 to finish its report
 _POLL = 0.02
 _WATCH = 0.1
+_RETURNED = "(had returned: waiting for the other ranks)"  # the stack a rank posts once fn returned
 
 
 class BrokenGroup(RankFailure):
@@ -306,7 +307,7 @@ class LauncherSession:
 
     def _main_stack(self, call: _Call) -> str:
         if not call.in_fn:
-            return "(had returned: waiting for the other ranks)"
+            return _RETURNED
         frame = sys._current_frames().get(self._main)
         if frame is None:
             return "(no stack)"
@@ -387,7 +388,7 @@ class LauncherSession:
         errors = {r: o[1] for r, o in outcomes.items() if o[0] == "error" and r in answered}
         for r, o in outcomes.items():
             # Freed by the abort before its watchdog looked: where it raised is where it was.
-            if r not in answered and o[0] == "error" and stacks.get(r, "").startswith("(had returned"):
+            if r not in answered and o[0] == "error" and stacks.get(r) == _RETURNED:
                 stacks[r] = o[1]
         story = launcher_abort(self._call_name(fn, call), reason, silent=silent, errors=errors,
                                stacks={r: st for r, st in stacks.items() if r not in answered},
