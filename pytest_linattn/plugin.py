@@ -145,9 +145,9 @@ def pytest_configure(config):
         # xdist's workers share the cores, as a pool's ranks do
         import torch
 
-        from .pool import thread_share
+        from .pool import xdist_thread_share
 
-        torch.set_num_threads(thread_share(config.workerinput.get("workercount", 1)))
+        torch.set_num_threads(xdist_thread_share(1))
     from .launcher import launcher_world_size
 
     world_size = launcher_world_size()

@@ -75,11 +75,12 @@ def thread_share(processes: int) -> int:
     return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 
-def rank_thread_share(world_size: int, environ=os.environ) -> int:
-    """A CPU pool rank's threads: the cores shared by every rank of every pool that runs at once,
-    world_size ranks in each of the xdist workers (PYTEST_XDIST_WORKER_COUNT, set in each worker)."""
+def xdist_thread_share(per_worker: int, environ=os.environ) -> int:
+    """Threads for each of `per_worker` processes in every xdist worker (PYTEST_XDIST_WORKER_COUNT,
+    set in each worker before its config; 1 without xdist): a worker itself (per_worker 1), or
+    each rank of a CPU pool (per_worker = world_size), every pool of every worker at once."""
     workers = int(environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
-    return thread_share(world_size * workers)
+    return thread_share(per_worker * workers)
 
 
 class Pool:
@@ -123,7 +124,7 @@ class Pool:
             # to an address gloo cannot bind in a container.
             env["GLOO_SOCKET_IFNAME"] = "lo"
         if self.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = str(rank_thread_share(self.world_size))
+            env["OMP_NUM_THREADS"] = str(xdist_thread_share(self.world_size))
         ctx = multiprocessing.get_context("spawn")
         main_thread = threading.current_thread() is threading.main_thread()
         # The collective timeout is a backstop only: the parent enforces the real one.

@@ -90,12 +90,13 @@ class _Bf16SplitLinear(torch.autograd.Function):
     def backward(ctx, dy):
         x_hi, w_hi = ctx.saved_tensors
         x_shape, x_dtype, w_dtype, bias_dtype = ctx.shapes_and_dtypes
-        dy2 = dy.reshape(-1, dy.shape[-1]).bfloat16()  # no copy when round_to was bf16
+        dy_rows = dy.reshape(-1, dy.shape[-1])
+        dy2 = dy_rows.bfloat16()  # no copy when round_to was bf16
         dx = dw = dbias = None
         if ctx.needs_input_grad[0]:
             dx = torch.mm(dy2, w_hi, out_dtype=torch.float32).view(x_shape).to(x_dtype)
         if ctx.needs_input_grad[1]:
             dw = torch.mm(dy2.t(), x_hi, out_dtype=torch.float32).to(w_dtype)
         if ctx.needs_input_grad[2]:
-            dbias = dy.reshape(-1, dy.shape[-1]).sum(0, dtype=torch.float32).to(bias_dtype)
+            dbias = dy_rows.sum(0, dtype=torch.float32).to(bias_dtype)
         return dx, dw, dbias, None

@@ -374,6 +374,6 @@ def test_pool_ranks_share_the_cores_with_the_other_xdist_workers(monkeypatch):
     from pytest_linattn import pool
 
     monkeypatch.setattr(pool.os, "cpu_count", lambda: 16)
-    assert pool.rank_thread_share(2, environ={}) == 8
-    assert pool.rank_thread_share(2, environ={"PYTEST_XDIST_WORKER_COUNT": "4"}) == 2
-    assert pool.rank_thread_share(4, environ={"PYTEST_XDIST_WORKER_COUNT": "8"}) == 1
+    assert pool.xdist_thread_share(2, environ={}) == 8
+    assert pool.xdist_thread_share(2, environ={"PYTEST_XDIST_WORKER_COUNT": "4"}) == 2
+    assert pool.xdist_thread_share(4, environ={"PYTEST_XDIST_WORKER_COUNT": "8"}) == 1
