@@ -12,7 +12,10 @@ outputs' relative difference, so a row times two layers computing the same funct
 A row is forward + backward, each layer's median over --iters rounds after --warmup untimed ones
 (the first compiles; `_timing.measure_interleaved`: a round runs both layers, in rotated order). `GiB` is a step's peak
 memory above what was allocated before it (the step's activations, gradients and workspace; the
-weights and the input are resident for both), measured from an emptied allocator cache. Where fla refuses GDN's backward
+weights and the input are resident for both), measured from an emptied allocator cache: the
+allocator's blocks (`max_memory_allocated`; `MiB over` is ours minus fla's) and the bytes the tensors
+asked for (`tensor MiB over`; a block may exceed its request by up to 1 MiB, where the allocator
+does not split it, so the two figures differ by the allocator's packing). Where fla refuses GDN's backward
 (`linattn.selection.choose_gdn_route`), GDN rows time the forward only, for both layers, and the
 `step` column says so.
 
@@ -83,22 +86,26 @@ def layer_calls(call, params, x, dy, backward: bool):
     return fwd, (lambda out: out.backward(dy)) if backward else None, reset
 
 
-def step_peak_gib(fwd, bwd, reset, device) -> float | None:
-    """Peak memory of one step above what was allocated before it (None on a CPU), from an empty
-    cache: a block the allocator hands out from a cached segment may be larger than asked for, so
-    the figure would depend on what ran before (rows 40 KB apart by the order they ran in)."""
+def step_peak_gib(fwd, bwd, reset, device) -> tuple[float | None, float | None]:
+    """(allocated, requested) peak GiB of one step above what was allocated before it ((None, None)
+    on a CPU), from an empty cache: a block the allocator hands out from a cached segment may be
+    larger than asked for, so the figure would depend on what ran before (rows 40 KB apart by the
+    order they ran in). `allocated` counts the allocator's blocks (`max_memory_allocated`), which may
+    exceed a request by up to 1 MiB where the allocator does not split a block; `requested` counts
+    the bytes the tensors asked for."""
     if device.type != "cuda":
-        return None
+        return None, None
     reset()
     free_memory()
     torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
+    base, base_requested = torch.cuda.memory_allocated(), torch.cuda.memory_stats()["requested_bytes.all.current"]
     reset_peak(device)
     out = fwd()
     if bwd is not None:
         bwd(out)
     del out
-    return peak_gib(device) - base / GIB
+    requested = torch.cuda.memory_stats()["requested_bytes.all.peak"] - base_requested
+    return peak_gib(device) - base / GIB, requested / GIB
 
 
 def print_profile(title, fwd, bwd, reset, device, top: int) -> None:
@@ -147,21 +154,25 @@ def run_row(shape, T, args, device, dtype, gdn_forward_only) -> dict:
             raise result
     key = "ms" if backward else "fwd_ms"
     ms, fla_ms = timed["ours"][key], timed["fla"][key]
-    gib, fla_gib = (step_peak_gib(*calls[name], device) for name in ("ours", "fla"))
+    (gib, tensor_gib), (fla_gib, fla_tensor_gib) = (step_peak_gib(*calls[name], device) for name in ("ours", "fla"))
     if args.profile:
         for name in ("ours", "fla"):
             print_profile(f"{shape} {tokens_label(T)} {name}", *calls[name], device, args.profile)
     row = dict(shape=shape, family=config.family, tokens=T, tokens_label=tokens_label(T),
                step="fwd+bwd" if backward else "fwd only",
                ms=ms, fla_ms=fla_ms, time_ratio=ms / fla_ms, gib=gib, fla_gib=fla_gib,
-               memory_ratio=gib / fla_gib if gib is not None else None, out_err=out_err)
+               memory_ratio=gib / fla_gib if gib is not None else None,
+               mib_over=(gib - fla_gib) * 1024 if gib is not None else None, tensor_gib=tensor_gib,
+               fla_tensor_gib=fla_tensor_gib,
+               tensor_mib_over=(tensor_gib - fla_tensor_gib) * 1024 if gib is not None else None, out_err=out_err)
     del ours, theirs, calls, x, dy
     free_memory()
     return row
 
 
 TABLE = [("shape", "shape"), ("tokens_label", "tokens"), ("step", "step"), ("ms", "ours ms"), ("fla_ms", "fla ms"),
-         ("time_ratio", "time x", ".3f"), ("gib", "ours GiB"), ("fla_gib", "fla GiB"), ("memory_ratio", "mem x", ".3f"),
+         ("time_ratio", "time x", ".3f"), ("gib", "ours GiB"), ("fla_gib", "fla GiB"), ("mib_over", "MiB over", ".3f"),
+         ("tensor_mib_over", "tensor MiB over", ".3f"),
          ("out_err", "out err", ".1e")]
 DEFAULTS = dict(shapes="prod", tokens="4k,16k,64k", iters=10, warmup=3)
 QUICK = dict(shapes="glm-5.3-flash,qwen3-next", tokens="16k")
@@ -204,8 +215,8 @@ def main(argv=None) -> int:
                     continue
                 rows.append(row)
                 print(f"{shape} {tokens_label(T)} {row['step']}: ours {fmt(row['ms'])} ms / fla {fmt(row['fla_ms'])} ms"
-                      f" = {fmt(row['time_ratio'], '.3f')}; {fmt(row['gib'])} / {fmt(row['fla_gib'])} GiB = "
-                      f"{fmt(row['memory_ratio'], '.3f')}; out err {fmt(row['out_err'], '.1e')}", flush=True)
+                      f" = {fmt(row['time_ratio'], '.3f')}; {fmt(row['gib'])} / {fmt(row['fla_gib'])} GiB, "
+                      f"{fmt(row['mib_over'], '.3f')} MiB over ({fmt(row['tensor_mib_over'], '.3f')} in tensor bytes); out err {fmt(row['out_err'], '.1e')}", flush=True)
                 checkpoint("vs_fla", args, rows)
     print(header)
     print_table(rows, TABLE)
