@@ -29,6 +29,7 @@ under `linattn.emulation.fla_on_cpu` and the times mean nothing.
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import sys
@@ -130,6 +131,48 @@ def print_profile(title, fwd, bwd, reset, device, top: int) -> None:
         print(f"   {getattr(e, attr) / 1e3:8.3f} ms  x{e.count:<4d} {e.key[:110]}", flush=True)
 
 
+def live_at_peak(title, fwd, bwd, reset, device, top: int) -> collections.Counter:
+    """CUDA: one step under the allocator's trace (`torch.cuda.memory._record_memory_history`),
+    replayed to the step's peak: prints the `top` places holding the most bytes there (the first
+    project or fla frames that allocated them; `?` where no Python frame did, as autograd's own
+    gradient buffers) and returns the live requested sizes, so two layers' sets can be compared."""
+    reset()
+    free_memory()
+    torch.cuda.synchronize()
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        out = fwd()
+        if bwd is not None:
+            bwd(out)
+        del out
+        torch.cuda.synchronize()
+        trace = torch.cuda.memory._snapshot()["device_traces"][device.index or 0]
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    live, current, peak, at_peak = {}, 0, -1, {}
+    for event in trace:
+        if event["action"] == "alloc":
+            live[event["addr"]] = (event["size"], _allocated_at(event.get("frames", [])))
+            current += event["size"]
+            if current > peak:
+                peak, at_peak = current, dict(live)
+        elif event["action"] == "free_completed" and event["addr"] in live:
+            current -= live.pop(event["addr"])[0]
+    by_place = collections.defaultdict(list)
+    for size, place in at_peak.values():
+        by_place[place].append(size)
+    print(f"-- live at the step's peak, {title}: {peak / 2 ** 20:.3f} MiB requested in {len(at_peak)} tensors", flush=True)
+    for place, sizes in sorted(by_place.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        print(f"   {sum(sizes) / 2 ** 20:10.3f} MiB x{len(sizes):<3d} {place}", flush=True)
+    return collections.Counter(size for size, _ in at_peak.values())
+
+
+def _allocated_at(frames) -> str:
+    places = [f"{f['filename'].rsplit('/', 1)[-1]}:{f['line']}:{f['name']}" for f in frames
+              if ("/linattn/" in f["filename"] or "/fla/" in f["filename"])]
+    return " < ".join(places[:2]) or "?"
+
+
 def run_row(shape, T, args, device, dtype, gdn_forward_only) -> dict:
     config = make_config(shape)
     state_dict = full_weights(shape, args.seed)  # drawn once per shape (kimi-k3: 17 s on 2 cores)
@@ -158,6 +201,12 @@ def run_row(shape, T, args, device, dtype, gdn_forward_only) -> dict:
     if args.profile:
         for name in ("ours", "fla"):
             print_profile(f"{shape} {tokens_label(T)} {name}", *calls[name], device, args.profile)
+        if device.type == "cuda":
+            sizes = {name: live_at_peak(f"{shape} {tokens_label(T)} {name}", *calls[name], device, args.profile)
+                     for name in ("ours", "fla")}
+            for a, b in (("ours", "fla"), ("fla", "ours")):
+                only = sorted((sizes[a] - sizes[b]).elements(), reverse=True)
+                print(f"   live at the peak in {a} only (bytes): {only[:args.profile] or 'none'}", flush=True)
     row = dict(shape=shape, family=config.family, tokens=T, tokens_label=tokens_label(T),
                step="fwd+bwd" if backward else "fwd only",
                ms=ms, fla_ms=fla_ms, time_ratio=ms / fla_ms, gib=gib, fla_gib=fla_gib,
@@ -184,7 +233,8 @@ def main(argv=None) -> int:
     add_common_args(parser)
     parser.set_defaults(autotune="first")  # both layers on one config per kernel: no search
     parser.add_argument("--profile", type=int, default=0, metavar="N",
-                        help="after each row, profile one step of each layer and print its N costliest kernels")
+                        help="after each row, profile one step of each layer and print its N costliest kernels "
+                             "(on CUDA also the N places holding the most memory at the step's peak)")
     parser.add_argument("--forward-only", action="store_true", help="time every row's forward only (no grad)")
     args = resolve_args(parser, argv, DEFAULTS, QUICK)  # on CUDA this applies --autotune
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
