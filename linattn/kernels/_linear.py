@@ -10,9 +10,11 @@ Gradients are bf16-precise: the incoming gradient is rounded to bf16 (exact wher
 a bf16 kernel, as in the layers) and x enters the weight's gradient as its hi part; each result
 is rounded to its operand's dtype.
 
-bias and round_to: KDA's f + dt_bias, rounded to bf16 once after the cancellation, in one pass
-over the float32 output (and, with "bf16_split", its backward takes the bf16 gradient as it comes
-instead of through float32 copies).
+bias and round_to: KDA's f + dt_bias, rounded to bf16 once after the cancellation. With
+"bf16_split" and round_to bf16 the bias enters the matmul itself, as three bf16 parts (exact to
+2^-24 of it) against columns of ones, so the float32 accumulator holds the whole sum and the
+matmul writes bf16 once: no float32 output in memory (at KDA's gate, 4 bytes a gate element). Its
+backward takes the bf16 gradient as it comes instead of through float32 copies.
 """
 
 import torch
@@ -54,10 +56,33 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
     return [hi, (t - hi.float()).bfloat16()]
 
 
+def _mm_with_bias_to_bf16(pa: list[torch.Tensor], pb: list[torch.Tensor], bias: torch.Tensor) -> torch.Tensor:
+    """`_mm`'s terms + bias in one bf16 matmul, its float32 accumulator rounded once: the terms'
+    operands stacked along the inner dimension, then 8 more (the bias's three bf16 parts against
+    columns of ones, then zeros: a multiple of 8 stays one, as the tensor cores want). The inner
+    width is small (KDA's f_b_proj: 2 x 128 + 8), so cuBLAS does not split it (a split-K sum may
+    be reduced in bf16)."""
+    terms = _terms(pa, pb)
+    b = bias.float()
+    b_hi = b.bfloat16()
+    b_mid = (b - b_hi.float()).bfloat16()
+    b_lo = (b - b_hi.float() - b_mid.float()).bfloat16()
+    rows = terms[0][0].shape[0]
+    ones = torch.tensor([1.0] * 3 + [0.0] * 5, dtype=torch.bfloat16, device=b.device).expand(rows, 8)
+    bias_rows = torch.cat([torch.stack([b_hi, b_mid, b_lo]), b_hi.new_zeros(5, b_hi.shape[0])])
+    return torch.mm(torch.cat([ta for ta, _ in terms] + [ones], dim=1),
+                    torch.cat([tb for _, tb in terms] + [bias_rows], dim=0))
+
+
+def _terms(pa: list[torch.Tensor], pb: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The products of bf16 parts (`_parts`) that make a @ b to about 2^-16: hi x hi and the
+    hi x lo ones (lo x lo, 2^-16 of the result, is left out)."""
+    return [(pa[0], pb[0])] + [(ta, pb[0]) for ta in pa[1:]] + [(pa[0], tb) for tb in pb[1:]]
+
+
 def _mm(pa: list[torch.Tensor], pb: list[torch.Tensor]) -> torch.Tensor:
-    """Sum over the bf16 parts of a and b (`_parts`) of matmuls with float32 output (the lo x lo
-    term, 2^-16 of the result, is left out)."""
-    terms = [(pa[0], pb[0])] + [(ta, pb[0]) for ta in pa[1:]] + [(pa[0], tb) for tb in pb[1:]]
+    """Sum of `_terms` as matmuls with float32 output."""
+    terms = _terms(pa, pb)
     if len(terms) > 1 and pa[0].shape[1] <= pb[0].shape[1]:
         # inner dimension no wider than the output (f_b_proj: 128 -> HV * dk): one matmul over
         # the terms stacked along it, cheaper than adding float32 outputs
@@ -77,6 +102,9 @@ class _Bf16SplitLinear(torch.autograd.Function):
         # backward reads only the bf16 hi parts: saved instead of float32 x or weight, half the bytes
         ctx.save_for_backward(x_parts[0], w_parts[0])
         ctx.shapes_and_dtypes = (x.shape, x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        if round_to == torch.bfloat16 and bias is not None:
+            y = _mm_with_bias_to_bf16(x_parts, [p.t() for p in w_parts], bias)
+            return y.view(*x.shape[:-1], weight.shape[0])
         y = _mm(x_parts, [p.t() for p in w_parts])
         if round_to not in (None, torch.float32):
             # the bias added in float32 and the sum rounded in one pass

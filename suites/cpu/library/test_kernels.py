@@ -240,6 +240,24 @@ def test_float32_linear_torch_adds_the_bias_before_rounding_once():
     assert torch.equal(kernels.float32_linear(x, weight, bias=bias), F.linear(x, weight.float(), bias))
 
 
+def test_bf16_split_folds_the_bias_into_one_bf16_matmul():
+    # the arithmetic of bf16_split's fused gate on a CPU (the entry runs it on CUDA only): the
+    # float32 input's hi and lo parts and the bias's three bf16 parts against columns of ones, one
+    # float32 accumulation, one rounding; so it is the exact sum rounded once, but where the
+    # split's error (about 2^-16 of the product) crosses a rounding boundary
+    from linattn.kernels._linear import _mm_with_bias_to_bf16, _parts
+
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(512, 128, generator=gen)
+    weight = (torch.randn(256, 128, generator=gen) / 128 ** 0.5).bfloat16()
+    bias = torch.randn(256, generator=gen) * 4  # dt_bias-like: most of the product cancels
+    y = _mm_with_bias_to_bf16(_parts(x), [weight.t()], bias)
+    exact = x.double() @ weight.double().T + bias.double()
+    assert y.dtype == torch.bfloat16 and y.shape == (512, 256)
+    assert (y == exact.bfloat16()).double().mean() > 0.99
+    assert rel_err(y, exact) < 2 ** -8
+
+
 def test_float32_linear_refuses_bad_arguments():
     x, weight = torch.randn(2, 4), torch.randn(3, 4)
     with pytest.raises(ValueError, match="backend 'bf16_split' needs CUDA tensors"):
