@@ -58,18 +58,20 @@ def _parts(t: torch.Tensor) -> list[torch.Tensor]:
 
 def _mm_with_bias_to_bf16(pa: list[torch.Tensor], pb: list[torch.Tensor], bias: torch.Tensor) -> torch.Tensor:
     """`_mm`'s terms + bias in one bf16 matmul, its float32 accumulator rounded once: the terms'
-    operands stacked along the inner dimension, then 8 more (the bias's three bf16 parts against
-    columns of ones, then zeros: a multiple of 8 stays one, as the tensor cores want). The inner
-    width is small (KDA's f_b_proj: 2 x 128 + 8), so cuBLAS does not split it (a split-K sum may
-    be reduced in bf16)."""
+    operands stacked along the inner dimension, then 8 more: columns of ones against the bias's
+    three bf16 parts and five rows of zeros (a multiple of 8 stays one, as the tensor cores want).
+    The inner width is small (KDA's f_b_proj: 2 x 128 + 8), so cuBLAS does not split it (a split-K
+    sum may be reduced in bf16). Every constant is made on the device: a tensor from host data
+    would be a pageable copy, which waits for the stream."""
     terms = _terms(pa, pb)
     b = bias.float()
     b_hi = b.bfloat16()
-    b_mid = (b - b_hi.float()).bfloat16()
-    b_lo = (b - b_hi.float() - b_mid.float()).bfloat16()
-    rows = terms[0][0].shape[0]
-    ones = torch.tensor([1.0] * 3 + [0.0] * 5, dtype=torch.bfloat16, device=b.device).expand(rows, 8)
-    bias_rows = torch.cat([torch.stack([b_hi, b_mid, b_lo]), b_hi.new_zeros(5, b_hi.shape[0])])
+    rest = b - b_hi
+    b_mid = rest.bfloat16()
+    b_lo = (rest - b_mid).bfloat16()
+    width = b_hi.shape[0]
+    bias_rows = torch.cat([b_hi[None], b_mid[None], b_lo[None], b_hi.new_zeros(1, width).expand(5, width)])
+    ones = b_hi.new_ones(1, 1).expand(terms[0][0].shape[0], 8)
     return torch.mm(torch.cat([ta for ta, _ in terms] + [ones], dim=1),
                     torch.cat([tb for _, tb in terms] + [bias_rows], dim=0))
 
