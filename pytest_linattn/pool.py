@@ -51,6 +51,7 @@ __all__ = ["DEFAULT_TIMEOUT", "NotEnoughGpus", "Pool", "PoolManager", "RankFailu
 START_TIMEOUT = 120.0
 _SHUTDOWN_WAIT = 5.0
 _POOL_DEVICES = tuple(d for d in DEVICES if d != "auto")
+_TMP_PREFIX = "linattn-pool-"
 
 
 def resolve_device(device: str) -> str:
@@ -83,6 +84,28 @@ def xdist_thread_share(per_worker: int, environ=os.environ) -> int:
     return thread_share(per_worker * workers)
 
 
+def _make_tmpdir() -> str:
+    """A new pool's directory (its ranks' stack files), named after this process, made after
+    removing those of pools whose process is gone: a process killed outright (SIGKILL: no atexit,
+    and its ranks die with it) leaves its pools' directories behind."""
+    root = tempfile.gettempdir()
+    for name in os.listdir(root):
+        owner = name[len(_TMP_PREFIX):].split("-", 1)[0] if name.startswith(_TMP_PREFIX) else ""
+        if owner.isdigit() and not _process_exists(int(owner)):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"{_TMP_PREFIX}{os.getpid()}-")
+
+
+def _process_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 class Pool:
     """world_size ranks of one device with an initialised process group, reusable until broken."""
 
@@ -94,7 +117,7 @@ class Pool:
         self.device = device
         self.broken = False
         self._closed = False
-        self._tmpdir = tempfile.mkdtemp(prefix="linattn-pool-")
+        self._tmpdir = _make_tmpdir()
         # faulthandler's output of every rank (rank_worker), read by rank_reports
         self._dump_paths = [os.path.join(self._tmpdir, f"rank{r}.stack") for r in range(world_size)]
         self._dump_offsets = [0] * world_size  # where the current call's output begins

@@ -6,12 +6,17 @@ The 10x xdist stress run is behind ``LINATTN_STRESS=10`` (the default suite runs
 """
 from __future__ import annotations
 
+import glob
 import os
+import subprocess
 import sys
+import tempfile
 import time
 import xml.etree.ElementTree as ET
 
 import pytest
+
+from pytest_linattn import pool
 
 pytest_plugins = ["pytester"]
 
@@ -352,7 +357,6 @@ def test_sleep(spawn):
 def test_no_rank_outlives_its_pytest(pytester, sig):
     """Ctrl-C: pytest shuts the pools down. SIGKILL of pytest: the ranks notice and exit."""
     import signal
-    import subprocess
 
     pytester.makepyfile(test_sleeper=SLEEPER)
     pids_file = pytester.path / "pids.txt"
@@ -378,6 +382,24 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
     if sig == "SIGINT":
         assert proc.returncode == pytest.ExitCode.INTERRUPTED
     assert not _no_leftovers(tag), f"ranks alive after {sig} of their pytest"
+    # a killed pytest leaves its pool's directory; the next pool started (here, or in another
+    # xdist worker first) removes it
+    os.rmdir(pool._make_tmpdir())
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"linattn-pool-{proc.pid}-*"))
+
+
+def test_a_new_pool_removes_the_directories_of_dead_processes_only(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = int(subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                              text=True, check=True).stdout)
+    stale, live, foreign = (tmp_path / f"linattn-pool-{gone}-a", tmp_path / f"linattn-pool-{os.getpid()}-b",
+                            tmp_path / "linattn-pool-c")
+    for d in (stale, live, foreign):
+        d.mkdir()
+        (d / "rank0.stack").write_text("")
+    made = pool._make_tmpdir()
+    assert not stale.exists() and live.exists() and foreign.exists()
+    assert os.path.dirname(made) == str(tmp_path) and os.path.basename(made).startswith(f"linattn-pool-{os.getpid()}-")
 
 
 def test_gpu_leases_never_share(tmp_path):
