@@ -48,12 +48,17 @@ def float32_linear(x: torch.Tensor, weight: torch.Tensor, backend: str = "torch"
     return _Bf16SplitLinear.apply(x, weight, bias, round_to)
 
 
-def _parts(t: torch.Tensor) -> list[torch.Tensor]:
-    """bf16 parts summing to t to about 2^-16 relative: t itself when bf16, else hi and lo."""
+def _parts(t: torch.Tensor, n: int = 2) -> list[torch.Tensor]:
+    """bf16 parts summing to t: t itself when bf16, else n parts, each the bf16 rounding of what
+    the ones before leave (two: about 2^-16 relative, hi and lo; three: 2^-24). The remainders
+    stay in t's dtype (a bf16 part promotes exactly), one kernel each."""
     if t.dtype == torch.bfloat16:
         return [t]
-    hi = t.bfloat16()
-    return [hi, (t - hi.float()).bfloat16()]
+    parts, rest = [], t
+    for _ in range(n - 1):
+        parts.append(rest.bfloat16())
+        rest = rest - parts[-1]
+    return parts + [rest.bfloat16()]
 
 
 def _mm_with_bias_to_bf16(pa: list[torch.Tensor], pb: list[torch.Tensor], bias: torch.Tensor) -> torch.Tensor:
@@ -64,14 +69,10 @@ def _mm_with_bias_to_bf16(pa: list[torch.Tensor], pb: list[torch.Tensor], bias: 
     sum may be reduced in bf16). Every constant is made on the device: a tensor from host data
     would be a pageable copy, which waits for the stream."""
     terms = _terms(pa, pb)
-    b = bias.float()
-    b_hi = b.bfloat16()
-    rest = b - b_hi
-    b_mid = rest.bfloat16()
-    b_lo = (rest - b_mid).bfloat16()
-    width = b_hi.shape[0]
-    bias_rows = torch.cat([b_hi[None], b_mid[None], b_lo[None], b_hi.new_zeros(1, width).expand(5, width)])
-    ones = b_hi.new_ones(1, 1).expand(terms[0][0].shape[0], 8)
+    bias_parts = _parts(bias.float(), 3)
+    width = bias.shape[0]
+    bias_rows = torch.cat([p[None] for p in bias_parts] + [bias_parts[0].new_zeros(1, width).expand(5, width)])
+    ones = bias_parts[0].new_ones(1, 1).expand(terms[0][0].shape[0], 8)
     return torch.mm(torch.cat([ta for ta, _ in terms] + [ones], dim=1),
                     torch.cat([tb for _, tb in terms] + [bias_rows], dim=0))
 
