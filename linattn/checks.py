@@ -4,6 +4,8 @@ Every rule raises ValueError whose message starts with the argument's name, so a
 test's `match=`) can tell which argument broke which rule.
 """
 
+import numbers
+
 import torch
 
 COMPUTE_DTYPES = (torch.float32, torch.float64)
@@ -20,6 +22,14 @@ def fail(name: str, rule: str):
     `if not condition: fail(name, f"...")`, so the message is formatted only on failure (formatting
     every message of a call cost ~30 us of CPU per delta-rule call, which a launch-bound step pays)."""
     raise ValueError(f"{name} {rule}")
+
+
+def positive_int(value, name: str) -> int:
+    """value as an int, unless it is not an integer >= 1 (a bool is not): ValueError naming `name`."""
+    __tracebackhide__ = True
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        fail(name, f"must be a positive int, got {value!r}")
+    return int(value)
 
 
 def validate_floating(x: torch.Tensor, name: str) -> None:

@@ -41,7 +41,6 @@ wires them into pytest.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
@@ -81,7 +80,7 @@ class _State:
 
     def pools(self):
         if self.manager is None:
-            from .pool import PoolManager
+            from .ranks.pool import PoolManager
 
             self.manager = PoolManager(option_value(self.config, "device"))
         return self.manager
@@ -124,7 +123,7 @@ class _State:
         return self.autotune
 
     def runs_on_cuda(self):
-        from .pool import resolve_device  # auto: cuda when a GPU is visible
+        from .ranks.pool import resolve_device  # auto: cuda when a GPU is visible
 
         return resolve_device(option_value(self.config, "device")) == "cuda"
 
@@ -145,10 +144,10 @@ def pytest_configure(config):
         # xdist's workers share the cores, as a pool's ranks do
         import torch
 
-        from .pool import xdist_thread_share
+        from .ranks.pool import xdist_thread_share
 
         torch.set_num_threads(xdist_thread_share(1))
-    from .launcher import launcher_world_size
+    from .ranks.launcher import launcher_world_size
 
     world_size = launcher_world_size()
     if world_size is not None and not state.is_worker:
@@ -157,7 +156,7 @@ def pytest_configure(config):
 
 def _start_launcher_mode(config, state, world_size):
     # Under torchrun every rank runs this session; only rank 0 reports.
-    from .launcher import LauncherSession, launcher_rank
+    from .ranks.launcher import LauncherSession, launcher_rank
 
     rank = launcher_rank()
     # A copy of the terminal, for a report written while pytest's capture holds fd 1.
@@ -273,7 +272,7 @@ def pytest_runtest_setup(item):
         if gpus is not None and device == "cpu":
             _skip(f"needs {_marker_int(gpus)} GPU(s); this run uses --linattn-device cpu")
         if device != "cpu":
-            from .gpus import gpu_count
+            from .ranks.gpus import gpu_count
 
             have = gpu_count()
             if gpus is not None and have < _marker_int(gpus):
@@ -289,50 +288,15 @@ def pytest_runtest_setup(item):
 # spawn
 
 
-class Spawn:
-    """``spawn(fn, world_size, *args, **kwargs)``: fn on every rank; values in rank order."""
-
-    def __init__(self, state: _State, timeout: float, item=None):
-        self._state = state
-        self.timeout = timeout
-        self._item = item
-
-    def __call__(self, fn, world_size, *args, **kwargs):
-        __tracebackhide__ = True
-        from . import pool
-        from .launcher import BrokenGroup
-
-        state = self._state
-        try:
-            return pool.run_on_ranks(fn, world_size, args, kwargs, device=option_value(state.config, "device"),
-                                     timeout=self.timeout, pools=state.pools, launcher=state.launcher,
-                                     fla_on_cpu=_active_fla_emulation(),
-                                     test=getattr(self._item, "nodeid", ""))
-        except pool.NotEnoughGpus as exc:
-            pytest.skip(f"spawn(world_size={world_size}): {exc}")
-        except pool.RankFailure as exc:
-            if isinstance(exc, BrokenGroup) and state.launcher is not None and self._item is not None:
-                # A collective was left half done: every later distributed test would fail or
-                # hang on this group, so the session stops after this test, on every rank.
-                self._item.session.shouldfail = (
-                    f"linattn: the process group is broken after a failure in "
-                    f"{self._item.nodeid}; the session stops (see that test's report)")
-            # Re-raised here so the report ends at the test's call, not inside the pool.
-            raise type(exc)(str(exc)) from None
-
-
-def _active_fla_emulation():
-    # The ranks run fla's ops emulated whenever the test process does (fixture, option or a
-    # `with fla_on_cpu():` around spawn); sys.modules, so a run that never emulates imports nothing.
-    emulation = sys.modules.get("linattn.emulation.patching")
-    return None if emulation is None else emulation.active_compute_dtype()
-
-
 @pytest.fixture
-def spawn(request) -> Spawn:
+def spawn(request):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with torch.distributed initialised;
     returns the ranks' return values in rank order, tensors moved to CPU."""
-    return Spawn(request.config.stash[_STATE], option_value(request.config, "timeout"), request.node)
+    from .spawn import Spawn
+
+    state = request.config.stash[_STATE]
+    return Spawn(state.launcher, state.pools, option_value(request.config, "device"),
+                 option_value(request.config, "timeout"), request.node)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
-from pytest_linattn.gpus import gpu_count as visible_gpu_count
-from pytest_linattn.rank_worker import set_parent_death_signal
+from pytest_linattn.ranks.gpus import gpu_count as visible_gpu_count
+from pytest_linattn.ranks.worker import set_parent_death_signal
 from pytest_linattn.suites import Suite, SuiteConfigError, find_root, load_suites
 
 COMMAND = "/rerun-test"

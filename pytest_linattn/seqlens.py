@@ -27,17 +27,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from linattn.checks import validate_cu_seqlens
+from linattn.checks import positive_int, validate_cu_seqlens
 
 DEFAULT_SEED = 20260
 LAYOUTS = ("contiguous", "zigzag")
 _TRIES = 48
-
-
-def _positive_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def packed_seqlens(total_tokens: int, num_seqs: int | None = None, *, seed: int | None = None,
@@ -52,11 +46,11 @@ def packed_seqlens(total_tokens: int, num_seqs: int | None = None, *, seed: int 
     edge_boundary: cp_size 2 or 3 only: True asks for a shard-edge boundary instead of a
         sequence spanning every shard (see the module docstring); None/False keep the span.
     """
-    total_tokens = _positive_int(total_tokens, "total_tokens")
+    total_tokens = positive_int(total_tokens, "total_tokens")
     if num_seqs is not None:
-        num_seqs = _positive_int(num_seqs, "num_seqs")
-    min_len = _positive_int(min_len, "min_len")
-    cp_size = _positive_int(cp_size, "cp_size")
+        num_seqs = positive_int(num_seqs, "num_seqs")
+    min_len = positive_int(min_len, "min_len")
+    cp_size = positive_int(cp_size, "cp_size")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if edge_boundary not in (None, True, False):
@@ -224,7 +218,7 @@ def describe(cu_seqlens, cp_size: int = 1, layout: str = "contiguous") -> dict:
     shards one sequence touches). zigzag: unit (2·cp_size), lengths_divisible,
     has_shortest (a sequence of exactly one unit).
     """
-    cp_size = _positive_int(cp_size, "cp_size")
+    cp_size = positive_int(cp_size, "cp_size")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     bounds = cu_seqlens_bounds(torch.as_tensor(cu_seqlens).reshape(-1))

@@ -1,6 +1,6 @@
 """Layer parity cases shared by the layer tests of every suite (cpu, gpu-1, gpu-2, gpu-4).
 
-The project's layer is one client of the public harness, `pytest_linattn.sharded_parity` (which
+The project's layer is one client of the public harness, `pytest_linattn.harness` (which
 states the placement, token-layout and gradient rules). One idea each:
 
 - `make_config`, `random_state_dict`: the layer under test and its weights (float64 values;
@@ -8,7 +8,7 @@ states the placement, token-layout and gradient rules). One idea each:
 - `linattn_layer`: the harness's ShardedLayer for a config (build_layer, shard_state_dict,
   unshard_state_dict; the "replicated" split of parameter_layouts is TP-replicated).
 - `make_case`: one placement (tp, cp, layout, sp, dtype) of one layer on one packed batch, as a
-  harness ParityCase; run them with `pytest_linattn.sharded_parity.assert_parity_cases`.
+  harness ParityCase; run them with `pytest_linattn.harness.assert_parity_cases`.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from linattn.layers import (
     unshard_state_dict,
 )
 from pytest_linattn.parity import assert_parity
-from pytest_linattn.sharded_parity import ParityCase, Placement, ShardedLayer, rank_token_index
+from pytest_linattn.harness import ParityCase, Placement, ShardedLayer, rank_token_index
 
 FAMILIES = ("qwen3_next", "qwen3_5", "kda")
 

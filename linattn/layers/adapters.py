@@ -29,7 +29,7 @@ import torch
 
 from linattn.checks import require
 
-from .config import GDN_FAMILIES, LinearAttentionConfig
+from .config import GDN_FAMILIES, SILU_NAMES, LinearAttentionConfig, _config_from_hf, _hf_text_config
 from .state_dict import _check_keys, canonical_tensor, parameter_layouts, shard_state_dict, unshard_state_dict
 
 __all__ = [
@@ -43,54 +43,6 @@ __all__ = [
     "to_hf_state_dict",
     "to_megatron_state_dict",
 ]
-
-# ---- transformers configs ----
-
-GDN_MODEL_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}
-KDA_MODEL_TYPES = ("kimi_linear", "glm5_next_text")
-# multimodal wrappers whose language model sits in config.text_config
-WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "glm5_next")
-# activations HF's modules apply after the short conv; the project's layers apply SiLU
-SILU_NAMES = ("silu", "swish")
-
-
-def _hf_text_config(config):
-    """(model type, the config that holds the linear-attention fields) of a transformers config."""
-    model_type = getattr(config, "model_type", None)
-    if model_type in WRAPPER_MODEL_TYPES:
-        config = config.text_config
-        model_type = getattr(config, "model_type", None)
-    supported = (*GDN_MODEL_TYPES, *KDA_MODEL_TYPES, *WRAPPER_MODEL_TYPES)
-    require(model_type in GDN_MODEL_TYPES or model_type in KDA_MODEL_TYPES, "config.model_type",
-            f"must be one of {supported} (a model with linear-attention layers the project implements), "
-            f"got {model_type!r}")
-    return model_type, config
-
-
-def _config_from_hf(config) -> LinearAttentionConfig:
-    """LinearAttentionConfig.from_hf_config's logic (one place; see its docstring)."""
-    model_type, c = _hf_text_config(config)
-    act = getattr(c, "hidden_act", None)
-    require(act in SILU_NAMES, "config.hidden_act",
-            f"must be 'silu' (the short conv's activation in the project's layers), got {act!r}")
-    if model_type in GDN_MODEL_TYPES:
-        fields = dict(family=GDN_MODEL_TYPES[model_type], hidden_size=c.hidden_size,
-                      num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
-                      head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim)
-    else:
-        # Kimi Linear and GLM: equal key and value heads, low-rank output gate hidden -> head_dim
-        lower_bound = getattr(c, "linear_lower_bound", None) if model_type == "glm5_next_text" else None
-        require(lower_bound is None or (isinstance(lower_bound, (int, float)) and lower_bound < 0),
-                "config.linear_lower_bound", f"must be None or negative (a log decay), got {lower_bound!r}")
-        fields = dict(family="kda", hidden_size=c.hidden_size, num_k_heads=c.linear_num_heads,
-                      num_v_heads=c.linear_num_heads, head_k_dim=c.linear_head_dim, head_v_dim=c.linear_head_dim,
-                      gate_lower_bound=None if lower_bound is None else float(lower_bound),
-                      output_gate_rank=c.linear_head_dim)
-    try:
-        return LinearAttentionConfig(**fields, conv_size=c.linear_conv_kernel_dim, norm_eps=c.rms_norm_eps)
-    except ValueError as err:
-        raise ValueError(f"config ({model_type}) gives an invalid layer: {err}") from None
-
 
 # ---- table-driven conversion ----
 

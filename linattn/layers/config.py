@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from linattn.checks import positive_int, require
+
 FAMILIES = ("qwen3_next", "qwen3_5", "kda")
 GDN_FAMILIES = ("qwen3_next", "qwen3_5")
 
@@ -47,9 +49,7 @@ class LinearAttentionConfig:
         if self.family not in FAMILIES:
             raise ValueError(f"family must be one of {FAMILIES}, got {self.family!r}")
         for name in ("hidden_size", "num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
+            positive_int(getattr(self, name), name)
         if self.num_v_heads % self.num_k_heads != 0:
             raise ValueError(
                 f"num_v_heads must be a multiple of num_k_heads (grouped value attention), "
@@ -74,8 +74,6 @@ class LinearAttentionConfig:
         GLM's gate lower bound (linear_lower_bound) and the KDA output gate's rank (head_dim). Raises
         ValueError for another model type or a field value the layers do not implement.
         """
-        from .adapters import _config_from_hf  # adapters imports this module
-
         return _config_from_hf(config)
 
     @property
@@ -103,8 +101,7 @@ class LinearAttentionConfig:
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
         """TP splits whole key heads (and with them their value heads): tp_size must divide num_k_heads."""
-        if not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tp_size must be a positive int, got {tp_size!r}")
+        positive_int(tp_size, "tp_size")
         if self.num_k_heads % tp_size != 0:
             raise ValueError(
                 f"tensor parallel size must divide num_k_heads: tp_size={tp_size}, num_k_heads={self.num_k_heads}"
@@ -116,3 +113,51 @@ class LinearAttentionConfig:
         return dataclasses.replace(
             self, num_k_heads=self.num_k_heads // tp_size, num_v_heads=self.num_v_heads // tp_size
         )
+
+
+# ---- transformers configs ----
+
+GDN_MODEL_TYPES = {"qwen3_next": "qwen3_next", "qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5"}
+KDA_MODEL_TYPES = ("kimi_linear", "glm5_next_text")
+# multimodal wrappers whose language model sits in config.text_config
+WRAPPER_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe", "glm5_next")
+# activations HF's modules apply after the short conv; the project's layers apply SiLU
+SILU_NAMES = ("silu", "swish")
+
+
+def _hf_text_config(config):
+    """(model type, the config that holds the linear-attention fields) of a transformers config."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in WRAPPER_MODEL_TYPES:
+        config = config.text_config
+        model_type = getattr(config, "model_type", None)
+    supported = (*GDN_MODEL_TYPES, *KDA_MODEL_TYPES, *WRAPPER_MODEL_TYPES)
+    require(model_type in GDN_MODEL_TYPES or model_type in KDA_MODEL_TYPES, "config.model_type",
+            f"must be one of {supported} (a model with linear-attention layers the project implements), "
+            f"got {model_type!r}")
+    return model_type, config
+
+
+def _config_from_hf(config) -> LinearAttentionConfig:
+    """LinearAttentionConfig.from_hf_config's logic (one place; see its docstring)."""
+    model_type, c = _hf_text_config(config)
+    act = getattr(c, "hidden_act", None)
+    require(act in SILU_NAMES, "config.hidden_act",
+            f"must be 'silu' (the short conv's activation in the project's layers), got {act!r}")
+    if model_type in GDN_MODEL_TYPES:
+        fields = dict(family=GDN_MODEL_TYPES[model_type], hidden_size=c.hidden_size,
+                      num_k_heads=c.linear_num_key_heads, num_v_heads=c.linear_num_value_heads,
+                      head_k_dim=c.linear_key_head_dim, head_v_dim=c.linear_value_head_dim)
+    else:
+        # Kimi Linear and GLM: equal key and value heads, low-rank output gate hidden -> head_dim
+        lower_bound = getattr(c, "linear_lower_bound", None) if model_type == "glm5_next_text" else None
+        require(lower_bound is None or (isinstance(lower_bound, (int, float)) and lower_bound < 0),
+                "config.linear_lower_bound", f"must be None or negative (a log decay), got {lower_bound!r}")
+        fields = dict(family="kda", hidden_size=c.hidden_size, num_k_heads=c.linear_num_heads,
+                      num_v_heads=c.linear_num_heads, head_k_dim=c.linear_head_dim, head_v_dim=c.linear_head_dim,
+                      gate_lower_bound=None if lower_bound is None else float(lower_bound),
+                      output_gate_rank=c.linear_head_dim)
+    try:
+        return LinearAttentionConfig(**fields, conv_size=c.linear_conv_kernel_dim, norm_eps=c.rms_norm_eps)
+    except ValueError as err:
+        raise ValueError(f"config ({model_type}) gives an invalid layer: {err}") from None

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from linattn.checks import positive_int
+
 __all__ = [
     "group_rank",
     "group_size",
@@ -26,8 +28,7 @@ def parallel_rank_lists(world_size: int, tp_size: int, cp_size: int = 1) -> tupl
     Pure function: no process group is touched, so the layout can be checked anywhere.
     """
     for name, size in (("world_size", world_size), ("tp_size", tp_size), ("cp_size", cp_size)):
-        if not isinstance(size, int) or size < 1:
-            raise ValueError(f"{name} must be a positive int, got {size!r}")
+        positive_int(size, name)
     if world_size % (tp_size * cp_size) != 0:
         raise ValueError(
             f"tp_size * cp_size must tile the world: {tp_size} * {cp_size} = {tp_size * cp_size} "

@@ -30,7 +30,9 @@ from linattn.layers import LinearAttentionConfig  # noqa: E402
 from plot import plot, tokens_label  # noqa: E402
 from pytest_linattn import autotune  # noqa: E402
 from pytest_linattn.options import DEVICES  # noqa: E402
-from pytest_linattn.pool import PoolManager, RankFailure, launcher_world_size, run_on_ranks, to_cpu  # noqa: E402
+from pytest_linattn.ranks.dispatch import run_on_ranks  # noqa: E402
+from pytest_linattn.ranks.launcher import launcher_world_size  # noqa: E402
+from pytest_linattn.ranks.pool import PoolManager, RankFailure, to_cpu  # noqa: E402
 
 # ---------------------------------------------------------------------------------------------
 # shapes

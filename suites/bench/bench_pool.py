@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from pytest_linattn.pool import PoolManager
+from pytest_linattn.ranks.pool import PoolManager
 
 
 def trivial():

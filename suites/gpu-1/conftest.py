@@ -5,7 +5,7 @@ test process and per variant (op, gate form, state layout, head count: compile-t
 Tests that compile the same variants share an xdist group, so one process compiles them while
 the other groups compile side by side (with `--dist loadfile` two processes compiled chunk_kda's
 kernels at once). It pays only because each worker computes on its share of the cores
-(pytest_linattn.pool.thread_share): 67-71 s on a fresh H200, 133 s in one process
+(pytest_linattn.ranks.pool.thread_share): 67-71 s on a fresh H200, 133 s in one process
 (docs/gpu-results.md).
 """
 

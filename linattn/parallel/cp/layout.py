@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from linattn.checks import validate_cu_seqlens
+from linattn.checks import positive_int, validate_cu_seqlens
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -49,8 +49,7 @@ def global_cu_seqlens(cu_seqlens, total_tokens: int | None = None) -> torch.Tens
 def check_partition(cu: torch.Tensor, cp_size: int, layout: str) -> None:
     """ValueError unless the packing ``cu`` splits over ``cp_size`` ranks in ``layout``."""
     check_layout(layout)
-    if not isinstance(cp_size, int) or cp_size < 1:
-        raise ValueError(f"cp_size must be a positive int, got {cp_size!r}")
+    positive_int(cp_size, "cp_size")
     total = int(cu[-1])
     if layout == "contiguous":
         if total % cp_size:

@@ -25,13 +25,11 @@ after the relayout into the contiguous layout); the conv halo is W-1 = 3 tokens.
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from cp_op_parity import reference_case, shard, unshard
+from cp_op_parity import check_cases, make_case, run_cases_on_rank
 from linattn.parallel import cp
-from pytest_linattn.parity import assert_parity
 from pytest_linattn.seqlens import packed_seqlens
-from pytest_linattn.sharded_parity import Placement, rank_token_index
+from pytest_linattn.harness import Placement, rank_token_index
 
 RTOL = 1e-10
 W = 4  # conv width: a halo of 3 tokens, longer than some pieces below
@@ -66,80 +64,25 @@ def _cu(lengths):
 
 def _cases(cp_size):
     gen = torch.Generator().manual_seed(1234 + cp_size)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
     cases = []
     for layout, table in (("contiguous", CONTIGUOUS), ("zigzag", ZIGZAG)):
         # plus one seeded random packing per layout from the plugin's generator
         random_cu = packed_seqlens(8 * cp_size, cp_size=cp_size, layout=layout, seed=cp_size)
         named = [(name, _cu(lengths)) for name, lengths in table[cp_size]] + [("random", random_cu)]
         for i, (name, cu) in enumerate(named):
-            T = int(cu[-1])
-
-            def randn(*shape):
-                return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
-            case = dict(name=f"{layout}/{name}", layout=layout, cu=cu, l2norm=bool(i % 2 == 0))
-            case["conv"] = dict(x=randn(1, T, D), weight=randn(D, W), bias=randn(D), dy=randn(1, T, D))
-            for op, g_shape in (("gated_delta_rule", (1, T, HV)), ("kda", (1, T, HV, K))):
-                case[op] = dict(
-                    q=randn(1, T, H, K), k=randn(1, T, H, K), v=randn(1, T, HV, V),
-                    g=F.logsigmoid(randn(*g_shape)), beta=torch.sigmoid(randn(1, T, HV)),
-                    do=randn(1, T, HV, V),
-                )
-            cases.append(case)
+            cases.append(make_case(f"{layout}/{name}", layout, cu, randn, (H, HV, K, V), conv_dim=D, conv_width=W,
+                                   l2norm=i % 2 == 0))
     return cases
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
-
-
-def _run_cp_cases(cases):
-    """On every rank: each case's CP conv and CP delta rules on this rank's shard, with grads."""
-    import torch.distributed as dist
-
-    rank, size = dist.get_rank(), dist.get_world_size()
-    results = []
-    for case in cases:
-        cu, layout = case["cu"], case["layout"]
-        ctx = cp.build_context(cu, dist.group.WORLD, layout, total_tokens=int(cu[-1]))
-        out = {}
-
-        c = case["conv"]
-        x = _leaf(shard(c["x"], cu, rank, size, layout))
-        weight, bias = _leaf(c["weight"]), _leaf(c["bias"])
-        y = ctx.relayout.from_contiguous(
-            cp.short_conv(ctx.relayout.to_contiguous(x), weight, bias, "silu", cp_context=ctx))
-        (y * shard(c["dy"], cu, rank, size, layout)).sum().backward()
-        out["conv"] = dict(y=y.detach(), dx=x.grad, dweight=weight.grad, dbias=bias.grad)
-
-        for op in ("gated_delta_rule", "kda"):
-            t = case[op]
-            ins = {n: _leaf(shard(t[n], cu, rank, size, layout)) for n in ("q", "k", "v", "g", "beta")}
-            o = cp.delta_rule(*ctx.relayout.to_contiguous(*ins.values()), op=op, use_qk_l2norm=case["l2norm"],
-                              cp_context=ctx)
-            o = ctx.relayout.from_contiguous(o)
-            (o * shard(t["do"], cu, rank, size, layout)).sum().backward()
-            out[op] = dict(o=o.detach(), **{f"d{n}": leaf.grad for n, leaf in ins.items()})
-        results.append(out)
-    return results
 
 
 @pytest.mark.cp_sizes(*CONTIGUOUS)  # the packings are written per size; other sizes are deselected
 def test_cp_ops_match_reference(spawn, cp_size):
     cases = _cases(cp_size)
-    per_rank = spawn(_run_cp_cases, cp_size, cases)
-    for i, case in enumerate(cases):
-        cu, layout = case["cu"], case["layout"]
-        ref = reference_case(case, use_qk_l2norm=case["l2norm"])
-        for op in ("conv", "gated_delta_rule", "kda"):
-            got = {}
-            for key in ref[op]:
-                pieces = [per_rank[r][i][op][key] for r in range(cp_size)]
-                if key in ("dweight", "dbias"):  # parameter grads are per-rank partial sums
-                    got[key] = torch.stack(pieces).sum(0)
-                else:
-                    got[key] = unshard(pieces, cu, layout)
-            assert_parity(got, ref[op], rtol=RTOL, name=f"cp{cp_size}/{case['name']}/{op}", cu_seqlens=cu)
+    check_cases(cases, spawn(run_cases_on_rank, cp_size, cases), cp_size, RTOL)
 
 
 # The documented layouts (linattn/parallel/cp/layout.py's docstring) written out by hand: (layout, lengths, cp, the

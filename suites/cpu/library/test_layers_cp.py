@@ -2,7 +2,7 @@
 
 Each family, in one spawn call per (family, cp_size): CP = cp_size in the contiguous and the
 zigzag layout, in float64 (<= 1e-10) plus one float32 case (<= 1e-5); and TP x CP = 2 x 2 on four
-ranks, sequence parallel on and off. Compared, by the public harness (pytest_linattn.sharded_parity,
+ranks, sequence parallel on and off. Compared, by the public harness (pytest_linattn.harness,
 which lays the tokens out itself): the output and the input gradient, and every parameter gradient
 (summed over the CP group: the layer leaves them per-rank partial sums, for the training loop's
 data x context all-reduce).
@@ -44,7 +44,7 @@ import torch.distributed as dist
 from layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config, random_state_dict
 from linattn.layers import build_layer
 from linattn.parallel import new_groups
-from pytest_linattn.sharded_parity import Placement, assert_parity_cases, rank_token_index
+from pytest_linattn.harness import Placement, assert_parity_cases, rank_token_index
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 

@@ -6,7 +6,7 @@ O(1) error in either). Compared:
 the output, the input gradient and every parameter gradient (the ranks' gradients unsharded with
 unshard_state_dict). Inputs are packed sequences, one of them a single token. Cases are
 suites/layer_parity.py's, shared with the CP and GPU layer tests; the checks are the public
-harness's (pytest_linattn.sharded_parity).
+harness's (pytest_linattn.harness).
 
 Coverage, at TP 2 and 4 (variant: layer_parity.make_config's ratio, KDA options by ratio):
 
@@ -23,7 +23,7 @@ import torch.distributed as dist
 from layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config
 from linattn.layers import LinearAttentionConfig, build_layer
 from linattn.parallel import new_groups
-from pytest_linattn.sharded_parity import assert_parity_cases
+from pytest_linattn.harness import assert_parity_cases
 
 SEQLENS = (5, 1, 7, 3)  # 16 tokens: divisible by TP = 2 and 4 for sequence parallel
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -1,4 +1,4 @@
-"""The public layer-parity harness (pytest_linattn.sharded_parity) on a toy client.
+"""The public layer-parity harness (pytest_linattn.harness) on a toy client.
 
 The toy: y = fc2(gelu(fc1(gain * (x_t + x_{t-1})))), x_{t-1} the previous token of the same
 sequence (zero at a sequence start), so under CP the first token of a rank's piece needs a halo
@@ -22,7 +22,7 @@ from linattn.parallel.cp import cp_token_index
 from linattn.parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                                        reduce_from_tensor_parallel_region, reduce_scatter_to_sequence_parallel_region)
 from pytest_linattn.parity import capture_records
-from pytest_linattn.sharded_parity import (ParityCase, Placement, ShardedLayer, assert_parity_cases,
+from pytest_linattn.harness import (ParityCase, Placement, ShardedLayer, assert_parity_cases,
                                            assert_sharded_parity, rank_token_index)
 
 DIM, HIDDEN = 6, 8

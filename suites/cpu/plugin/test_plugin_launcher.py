@@ -20,8 +20,8 @@ import os, time
 import pytest
 import torch
 import torch.distributed as dist
-from pytest_linattn import launcher
-from pytest_linattn.pool import RankFailure
+from pytest_linattn.ranks import launcher
+from pytest_linattn.ranks.pool import RankFailure
 
 
 def info(x):

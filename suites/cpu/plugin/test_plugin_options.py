@@ -262,7 +262,7 @@ def test_disabled_with_p_no(pytester):
 
 
 def test_import_is_cheap():
-    code = ("import sys, pytest_linattn, pytest_linattn.pool, pytest_linattn.gpus; "
+    code = ("import sys, pytest_linattn, pytest_linattn.ranks.pool, pytest_linattn.ranks.gpus; "
             "print(sorted(m for m in ('pytest', 'torch', '_pytest') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": ""})
@@ -315,7 +315,7 @@ def test_gpu_count_without_a_driver_needs_no_torch(monkeypatch):
     import ctypes
     import types
 
-    from pytest_linattn import gpus
+    from pytest_linattn.ranks import gpus
 
     def no_library(name):
         raise OSError(f"{name}: cannot open shared object file")
@@ -343,7 +343,7 @@ def test_xdist_workers_share_the_cores(pytester, monkeypatch, omp):
     """Each of n xdist workers computes on cpu_count // n threads (as a pool's ranks do), unless
     OMP_NUM_THREADS is set: then torch's own choice stands."""
     pytest.importorskip("xdist")
-    from pytest_linattn.pool import thread_share
+    from pytest_linattn.ranks.pool import thread_share
 
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     if omp is not None:
@@ -362,7 +362,7 @@ def test_xdist_workers_share_the_cores(pytester, monkeypatch, omp):
 
 
 def test_thread_share():
-    from pytest_linattn.pool import thread_share
+    from pytest_linattn.ranks.pool import thread_share
 
     cores = os.cpu_count() or 1
     assert thread_share(1) == cores
@@ -371,7 +371,7 @@ def test_thread_share():
 
 
 def test_pool_ranks_share_the_cores_with_the_other_xdist_workers(monkeypatch):
-    from pytest_linattn import pool
+    from pytest_linattn.ranks import pool
 
     monkeypatch.setattr(pool.os, "cpu_count", lambda: 16)
     assert pool.xdist_thread_share(2, environ={}) == 8

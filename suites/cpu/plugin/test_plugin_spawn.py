@@ -16,7 +16,7 @@ import xml.etree.ElementTree as ET
 
 import pytest
 
-from pytest_linattn import pool
+from pytest_linattn.ranks import pool
 
 pytest_plugins = ["pytester"]
 
@@ -404,7 +404,7 @@ def test_a_new_pool_removes_the_directories_of_dead_processes_only(tmp_path, mon
 
 def test_gpu_leases_never_share(tmp_path):
     # flock is per open file: two leases conflict even inside one process, as across xdist workers.
-    from pytest_linattn.gpus import GpuLease, NotEnoughGpus
+    from pytest_linattn.ranks.gpus import GpuLease, NotEnoughGpus
 
     ids = ["0", "1", "2", "3"]
     a = GpuLease(2, lock_dir=str(tmp_path), gpu_ids=ids)

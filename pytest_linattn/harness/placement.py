@@ -20,18 +20,12 @@ import dataclasses
 
 import torch
 
-from .seqlens import LAYOUTS, cu_seqlens_bounds
+from linattn.checks import positive_int
 
-__all__ = ["LAYOUTS", "Placement", "as_cu_seqlens", "check_fits", "default_process_groups", "positive_int",
+from ..seqlens import LAYOUTS, cu_seqlens_bounds
+
+__all__ = ["LAYOUTS", "Placement", "as_cu_seqlens", "check_fits", "default_process_groups",
            "rank_token_index"]
-
-
-def positive_int(value, what: str) -> int:
-    """value, unless it is not an int >= 1: ValueError naming `what`."""
-    __tracebackhide__ = True
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive int, got {value!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,11 +1,11 @@
-"""Failure and hang reports of a call on several ranks, for the spawned pool (pytest_linattn.pool)
-and for torchrun's world (pytest_linattn.launcher): the exceptions they raise, how long the other
+"""Failure and hang reports of a call on several ranks, for the spawned pool (pytest_linattn.ranks.pool)
+and for torchrun's world (pytest_linattn.ranks.launcher): the exceptions they raise, how long the other
 ranks get after a first failure, and the text that says what every rank did.
 
 A report names the call and what went wrong first, then one block per rank: a death (with what
 faulthandler wrote for a fatal signal), a traceback, or the Python stack of a rank that had not
 returned. A spawned rank's stack comes from faulthandler, which each rank registers on SIGUSR1
-into its dump file (rank_worker); `dump_stacks` sends the signal and reads the files.
+into its dump file (worker); `dump_stacks` sends the signal and reads the files.
 """
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import os
 import signal
 import time
 
-from .rank_worker import trim_stack
+from .worker import trim_stack
 
 __all__ = ["FAILURE_GRACE", "RankFailure", "RankTimeout", "call_name", "describe_ranks", "dump_sizes",
            "dump_stacks", "indent", "launcher_abort", "pool_failure", "raised_lines", "read_dump"]

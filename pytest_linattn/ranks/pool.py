@@ -2,7 +2,7 @@
 
 Usable without pytest::
 
-    from pytest_linattn.pool import PoolManager
+    from pytest_linattn.ranks.pool import PoolManager
     with PoolManager(device="cpu") as pools:
         results = pools.run(fn, 4, args=(x,), timeout=60)   # one value per rank, rank order
 
@@ -14,12 +14,11 @@ starts a fresh one, so a broken process group never leaks into another test.
 Rendezvous goes through a TCPStore the parent binds to port 0 (the kernel picks a free port), so
 parallel pytest processes (``pytest -n N``) never collide on a port.
 
-The parent's side; the ranks run pytest_linattn.rank_worker, a failure's report comes from
-pytest_linattn.rank_reports. ``assert_parity`` records made on a rank join the parent's
+The parent's side; the ranks run pytest_linattn.ranks.worker, a failure's report comes from
+pytest_linattn.ranks.reports. ``assert_parity`` records made on a rank join the parent's
 ``parity.RECORDS`` (tensor named ``rank<r>:<name>``), so they appear in the run's summary.
 
-`run_on_ranks` picks where a call runs: under torchrun on the launcher's process group, every
-rank getting every rank's value (pytest_linattn.launcher); otherwise on a pool.
+Where a call runs (torchrun's world or a pool): `pytest_linattn.ranks.dispatch`.
 """
 from __future__ import annotations
 
@@ -38,15 +37,14 @@ import time
 import traceback
 from typing import Any, Callable
 
-from . import rank_reports
+from . import reports
 from .gpus import GpuLease, NotEnoughGpus, gpu_count
-from .launcher import LauncherSession, launcher_rank, launcher_world_size
-from .options import DEFAULT_TIMEOUT, DEVICES, parse_device, parse_timeout
-from .rank_reports import FAILURE_GRACE, RankFailure, RankTimeout
-from .rank_worker import add_rank_records, rank_main, task_message, to_cpu
+from ..options import DEFAULT_TIMEOUT, DEVICES, parse_device, parse_timeout
+from .reports import FAILURE_GRACE, RankFailure, RankTimeout
+from .worker import add_rank_records, rank_main, task_message, to_cpu
 
 __all__ = ["DEFAULT_TIMEOUT", "NotEnoughGpus", "Pool", "PoolManager", "RankFailure", "RankTimeout",
-           "launcher_world_size", "resolve_device", "run_in_launcher", "run_on_ranks", "to_cpu"]
+           "resolve_device", "to_cpu"]
 
 START_TIMEOUT = 120.0
 _SHUTDOWN_WAIT = 5.0
@@ -118,7 +116,7 @@ class Pool:
         self.broken = False
         self._closed = False
         self._tmpdir = _make_tmpdir()
-        # faulthandler's output of every rank (rank_worker), read by rank_reports
+        # faulthandler's output of every rank (worker), read by reports
         self._dump_paths = [os.path.join(self._tmpdir, f"rank{r}.stack") for r in range(world_size)]
         self._dump_offsets = [0] * world_size  # where the current call's output begins
         self.procs: list[multiprocessing.Process] = []
@@ -228,14 +226,14 @@ class Pool:
         if not self.alive():
             raise RuntimeError("this pool is broken or closed; start a new one")
         msg = task_message(fn, tuple(args), dict(kwargs or {}), fla_on_cpu)
-        self._dump_offsets = rank_reports.dump_sizes(self._dump_paths)
+        self._dump_offsets = reports.dump_sizes(self._dump_paths)
         try:
             for conn in self.conns:
                 conn.send_bytes(msg)
         except (OSError, ValueError):
             pass  # a dead rank: _collect reports it
         try:
-            replies = self._collect(timeout, what=rank_reports.call_name(fn, self.world_size))
+            replies = self._collect(timeout, what=reports.call_name(fn, self.world_size))
         except BaseException:
             self.kill()
             raise
@@ -297,11 +295,11 @@ class Pool:
             return [replies[r] for r in range(self.world_size)]
         self.broken = True
         live = {r: p for r, p in enumerate(self.procs) if r not in deaths}
-        stacks = rank_reports.dump_stacks(live, self._dump_paths)
+        stacks = reports.dump_stacks(live, self._dump_paths)
         # before kill() removes the files
-        fatal = {r: rank_reports.read_dump(self._dump_paths[r], self._dump_offsets[r]) for r in deaths}
+        fatal = {r: reports.read_dump(self._dump_paths[r], self._dump_offsets[r]) for r in deaths}
         self.kill()
-        raise rank_reports.pool_failure(what, timeout, self.world_size, [p.pid for p in self.procs],
+        raise reports.pool_failure(what, timeout, self.world_size, [p.pid for p in self.procs],
                                         pending=pending, errors=errors, deaths=deaths, fatal=fatal,
                                         stacks=stacks)
 
@@ -384,42 +382,3 @@ def _close_all() -> None:
     # Safety net for callers that forget close(); daemon ranks also die with multiprocessing.
     for manager in list(_LIVE):
         manager.close()
-
-
-# ----------------------------------------------------------------------------------------------
-# where a call runs: torchrun's world or a pool
-
-_LAUNCHER_SESSION = None
-
-
-def run_on_ranks(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
-                 device: str, timeout: float, pools: Callable[[], PoolManager] | None,
-                 launcher: LauncherSession | None = None, fla_on_cpu=None, test: str = "") -> list[Any]:
-    """fn(*args, **kwargs) on world_size ranks; the values in rank order, on CPU.
-
-    Under torchrun (WORLD_SIZE set) fn runs on the launcher's process group, through `launcher`
-    or else this process's own session; `test` names the caller in a report when the ranks'
-    calls disagree. Otherwise on a spawned pool of `pools()`, the caller's PoolManager (asked
-    for only then); `fla_on_cpu` as in `Pool.run`.
-    """
-    if launcher is None and launcher_world_size() is not None:
-        launcher = _launcher_session(world_size)
-    if launcher is None:
-        return pools().run(fn, world_size, args, kwargs, timeout=timeout, fla_on_cpu=fla_on_cpu)
-    return launcher.run(fn, check_world_size(world_size), args, kwargs, device=resolve_device(device),
-                        timeout=parse_timeout(timeout), test=test)
-
-
-def run_in_launcher(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None,
-                    *, device: str = "cpu", timeout: float = DEFAULT_TIMEOUT) -> list[Any]:
-    """fn on the launcher's existing process group; every rank gets all ranks' values in order.
-    Failures are reported through a side channel (see pytest_linattn.launcher)."""
-    return run_on_ranks(fn, world_size, args, kwargs, device=device, timeout=timeout, pools=None,
-                        launcher=_launcher_session(world_size))
-
-
-def _launcher_session(world_size: int) -> LauncherSession:
-    global _LAUNCHER_SESSION
-    if _LAUNCHER_SESSION is None:
-        _LAUNCHER_SESSION = LauncherSession(launcher_rank(), launcher_world_size() or world_size)
-    return _LAUNCHER_SESSION

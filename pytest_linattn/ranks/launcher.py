@@ -29,9 +29,9 @@ import time
 import traceback
 from typing import Any, Callable
 
-from .rank_reports import (FAILURE_GRACE, RankFailure, RankTimeout, call_name, describe_ranks, launcher_abort,
+from .reports import (FAILURE_GRACE, RankFailure, RankTimeout, call_name, describe_ranks, launcher_abort,
                            raised_lines)
-from .rank_worker import to_cpu
+from .worker import to_cpu
 
 __all__ = ["BrokenGroup", "LauncherSession", "launcher_rank", "launcher_world_size"]
 
@@ -165,7 +165,7 @@ class LauncherSession:
 
     def run(self, fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
             device: str = "cpu", timeout: float, test: str = "") -> list[Any]:
-        # world_size and timeout: checked by the caller, pytest_linattn.pool.run_on_ranks
+        # world_size and timeout: checked by the caller, pytest_linattn.ranks.dispatch.run_on_ranks
         if self.broken is not None:
             raise BrokenGroup("the process group was broken by an earlier call; no more "
                               "distributed calls in this session:\n" + self.broken)

@@ -1,4 +1,4 @@
-"""The rank side of a pool (pytest_linattn.pool): what runs inside each spawned rank process,
+"""The rank side of a pool (pytest_linattn.ranks.pool): what runs inside each spawned rank process,
 and the two ends of what crosses its pipe.
 
 A rank joins the pool's process group once, then answers calls until the parent sends an empty
@@ -9,7 +9,7 @@ load a module pytest imported outside ``sys.path`` (``--import-mode=importlib``)
 (status, value or traceback, the parity records made on this rank, see `add_rank_records`).
 
 faulthandler writes this rank's stack to its dump file on SIGUSR1 (a hang) and on a fatal signal;
-`trim_stack` hides this module's frames in that dump, the parent reads it (rank_reports).
+`trim_stack` hides this module's frames in that dump, the parent reads it (reports).
 """
 from __future__ import annotations
 
@@ -143,7 +143,7 @@ def _take_parity_records() -> list:
 def add_rank_records(records: dict[int, list]) -> None:
     """In the parent: the records of each rank's reply (rank -> records) join parity.RECORDS."""
     try:
-        from . import parity
+        from .. import parity
     except Exception:  # pragma: no cover - parity needs torch, which the ranks had
         return
     test = parity.current_test()
@@ -243,7 +243,7 @@ def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, d
     faulthandler.enable(file=dump_file, all_threads=True)
     _sync_sys_path(sys_path)
     try:
-        from . import autotune
+        from .. import autotune
 
         # the test process's --linattn-autotune (env LINATTN_AUTOTUNE), before any kernel runs here
         autotune.apply_in_rank(device)

@@ -1,20 +1,17 @@
 """What a rank of a sharded-parity spawn runs: build the sharded layer, load its shard of the
 weights, run forward and backward on the rank's tokens; the test process
-(`pytest_linattn.sharded_parity`) puts the results back together. This module imports no pytest.
+(`pytest_linattn.harness.sharded_parity`) puts the results back together. This module imports no pytest.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from .cases import ParityCase, ShardedLayer
 from .placement import Placement, rank_token_index
-
-if TYPE_CHECKING:
-    from .sharded_parity import ParityCase, ShardedLayer
 
 __all__ = ["RankCase", "run_cases_on_rank"]
 

@@ -1,0 +1,124 @@
+"""What a client gives the harness: its sharded layer (`ShardedLayer`) and the cases to check
+(`ParityCase`). Both are checked when made, so bad input fails before any rank runs. This module
+imports no pytest."""
+
+from __future__ import annotations
+
+import dataclasses
+import pickle
+from collections.abc import Callable, Collection
+
+import torch
+
+from ..parity import check_rtol
+from .placement import Placement, as_cu_seqlens, check_fits, default_process_groups
+
+__all__ = ["ParityCase", "ShardedLayer"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardedLayer:
+    """A client's sharded layer: how to make it on a rank, shard its weights, unshard gradients.
+
+    Every callable must be module-level (or a functools.partial of one): it is pickled by
+    reference to spawn's ranks.
+
+    build(placement, groups, dtype, device) -> nn.Module
+        On every rank: the sharded layer for `placement`, parameters in `dtype` on `device`
+        (values are overwritten by `shard`'s). `groups` is what `process_groups` returned.
+    shard(full_state_dict, placement, tp_rank) -> dict
+        The TP rank's parameters (named as the built module's `named_parameters()`, exactly
+        those) from the replicated layer's weights (named as the reference's parameters).
+    unshard(local_grads, placement) -> dict
+        The replicated layer's gradient dict (reference names) from the TP ranks' gradient
+        dicts, in TP rank order (each already summed over CP; see the module's gradient rule).
+    replicated
+        Names of the built module's parameters that every TP rank holds whole: their gradients
+        must be equal on every TP rank after `after_backward`.
+    process_groups(placement) -> groups
+        Collective, on every rank, once per distinct (process_groups, tp, cp) of a spawn call,
+        before those placements' layers are built (a client with global parallel state re-initialises it
+        here). Default: `default_process_groups`.
+    forward(module, x_local, cu_seqlens, placement) -> y_local
+        How to call the layer; x_local and y_local are `[1, T_local, hidden]`, cu_seqlens the
+        whole batch's (on the rank's device). Default: `module(x_local, cu_seqlens)`.
+    after_backward(module, placement)
+        The client's own gradient reduction after backward (a trainer's finalize step), if any.
+    describe_grad_element(name, index, placement) -> str | None
+        In the test process, for a failing parameter gradient: where element `index` (a tuple
+        into the replicated layer's parameter `name`) lies, in the layer's words ("value head 5,
+        channel 2 (TP rank 1)"), so the report needs no arithmetic; None: row/col or multi-index.
+    """
+
+    build: Callable
+    shard: Callable
+    unshard: Callable
+    replicated: Collection[str] = frozenset()
+    process_groups: Callable = default_process_groups
+    forward: Callable | None = None
+    after_backward: Callable | None = None
+    describe_grad_element: Callable | None = None
+
+    def __post_init__(self):
+        for field in ("build", "shard", "unshard", "process_groups"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"ShardedLayer.{field} must be callable, got {getattr(self, field)!r}")
+        for field in ("forward", "after_backward", "describe_grad_element"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
+                raise ValueError(f"ShardedLayer.{field} must be callable or None, got {getattr(self, field)!r}")
+        if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
+            raise ValueError(f"ShardedLayer.replicated must be a collection of parameter names, got {self.replicated!r}")
+        object.__setattr__(self, "replicated", frozenset(self.replicated))
+        try:  # fail here, not inside spawn: the ranks get the callables by reference
+            pickle.dumps(self)
+        except Exception as exc:  # noqa: BLE001 - reported as bad input
+            raise ValueError(f"ShardedLayer's callables must be module-level (spawn pickles them by reference): {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class ParityCase:
+    """One placement of one sharded layer on one packed batch, and the replicated layer it must match.
+
+    reference: the replicated layer (an nn.Module, float64 as a rule), run in the test process;
+        its named parameters are the full weights every rank shards, its dtype the reference's.
+    cu_seqlens: the packed batch's sequence boundaries. x, dy: the whole batch's input and output
+        cotangent `[1, T, hidden]` (seeded random values, never zeros).
+    dtype: the sharded layer's parameter and input dtype. rtol: the tolerance of every comparison.
+    reference_forward(reference, x, cu_seqlens) -> y: how to call the reference (default
+        `reference(x, cu_seqlens)`). Cases sharing reference, x, dy and cu_seqlens share one run.
+    """
+
+    layer: ShardedLayer
+    placement: Placement
+    reference: torch.nn.Module
+    cu_seqlens: torch.Tensor
+    x: torch.Tensor
+    dy: torch.Tensor
+    rtol: float
+    dtype: torch.dtype = torch.float64
+    name: str = ""
+    reference_forward: Callable | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.layer, ShardedLayer):
+            raise ValueError(f"ParityCase.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        if not isinstance(self.placement, Placement):
+            raise ValueError(f"ParityCase.placement must be a Placement, got {type(self.placement).__name__}")
+        if not isinstance(self.reference, torch.nn.Module):
+            raise ValueError(f"ParityCase.reference must be a torch.nn.Module, got {type(self.reference).__name__}")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ValueError(f"ParityCase.dtype must be a torch.dtype, got {self.dtype!r}")
+        object.__setattr__(self, "rtol", check_rtol(self.rtol))
+        cu = as_cu_seqlens(self.cu_seqlens)
+        object.__setattr__(self, "cu_seqlens", cu)
+        T = int(cu[-1])
+        for field in ("x", "dy"):
+            t = getattr(self, field)
+            if not isinstance(t, torch.Tensor) or t.dim() < 3 or t.shape[0] != 1 or t.shape[1] != T:
+                raise ValueError(f"ParityCase.{field} must be a [1, T={T}, ...] tensor (T = cu_seqlens[-1]), "
+                                 f"got {getattr(t, 'shape', type(t).__name__)}")
+        if self.dy.shape != self.x.shape:
+            raise ValueError(f"ParityCase.dy must have x's shape {tuple(self.x.shape)}, got {tuple(self.dy.shape)}")
+        check_fits([int(b) for b in cu.tolist()], self.placement)
+        if not self.name:
+            object.__setattr__(self, "name", self.placement.name)
