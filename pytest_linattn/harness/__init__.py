@@ -1,16 +1,21 @@
 """The layer-parity harness: a client's sharded layer (`ShardedLayer`) at TP / SP / CP placements
 (`Placement`) against its replicated layer, one forward and backward (`assert_sharded_parity`,
-`assert_parity_cases`). Plain modules, no pytest:
+`assert_parity_cases`), and inside a trainer's steps: micro-batches, the trainer's reduction,
+gradient norm, clipping, optimizer (`TrainingStep`, `assert_training_parity`). Plain modules, no
+pytest:
 
     placement            where a layer runs and which tokens each rank holds
-    cases                what a client supplies (ShardedLayer, ParityCase)
-    sharded_parity       the test process: the replicated run, gathering, the checks
-    sharded_parity_rank  what each rank runs
+    cases                what a client supplies (ShardedLayer, ParityCase, TrainingStep)
+    sharded_parity       one forward and backward: the test process's side (reference, checks)
+    sharded_parity_rank  ... and what each rank runs
+    training_step        training steps: the test process's side
+    training_step_rank   ... and what each rank runs
 """
 
-from .cases import ParityCase, ShardedLayer
+from .cases import ParityCase, ShardedLayer, TrainingStep
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
+from .training_step import assert_training_parity
 
-__all__ = ["LAYOUTS", "ParityCase", "Placement", "ShardedLayer", "assert_parity_cases", "assert_sharded_parity",
-           "default_process_groups", "rank_token_index"]
+__all__ = ["LAYOUTS", "ParityCase", "Placement", "ShardedLayer", "TrainingStep", "assert_parity_cases",
+           "assert_sharded_parity", "assert_training_parity", "default_process_groups", "rank_token_index"]

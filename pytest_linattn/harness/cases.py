@@ -1,19 +1,22 @@
-"""What a client gives the harness: its sharded layer (`ShardedLayer`) and the cases to check
-(`ParityCase`). Both are checked when made, so bad input fails before any rank runs. This module
+"""What a client gives the harness: its sharded layer (`ShardedLayer`), the cases to check
+(`ParityCase`) and the trainer around the layer (`TrainingStep`). All are checked when made, so bad input fails before any rank runs. This module
 imports no pytest."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import pickle
 from collections.abc import Callable, Collection
 
 import torch
 
+from linattn.checks import positive_int
+
 from ..parity import check_rtol
 from .placement import Placement, as_cu_seqlens, check_fits, default_process_groups
 
-__all__ = ["ParityCase", "ShardedLayer"]
+__all__ = ["ParityCase", "ShardedLayer", "TrainingStep", "default_optimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,9 +29,11 @@ class ShardedLayer:
     build(placement, groups, dtype, device) -> nn.Module
         On every rank: the sharded layer for `placement`, parameters in `dtype` on `device`
         (values are overwritten by `shard`'s). `groups` is what `process_groups` returned.
-    shard(full_state_dict, placement, tp_rank) -> dict
+    shard(full_state_dict, placement, tp_rank) -> dict, or None
         The TP rank's parameters (named as the built module's `named_parameters()`, exactly
         those) from the replicated layer's weights (named as the reference's parameters).
+        None: `build` already gives the module the reference's weights (both loaded from one
+        checkpoint, say), and the harness loads nothing.
     unshard(local_grads, placement) -> dict
         The replicated layer's gradient dict (reference names) from the TP ranks' gradient
         dicts, in TP rank order (each already summed over CP; see the module's gradient rule).
@@ -51,7 +56,7 @@ class ShardedLayer:
     """
 
     build: Callable
-    shard: Callable
+    shard: Callable | None
     unshard: Callable
     replicated: Collection[str] = frozenset()
     process_groups: Callable = default_process_groups
@@ -60,10 +65,10 @@ class ShardedLayer:
     describe_grad_element: Callable | None = None
 
     def __post_init__(self):
-        for field in ("build", "shard", "unshard", "process_groups"):
+        for field in ("build", "unshard", "process_groups"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"ShardedLayer.{field} must be callable, got {getattr(self, field)!r}")
-        for field in ("forward", "after_backward", "describe_grad_element"):
+        for field in ("shard", "forward", "after_backward", "describe_grad_element"):
             if getattr(self, field) is not None and not callable(getattr(self, field)):
                 raise ValueError(f"ShardedLayer.{field} must be callable or None, got {getattr(self, field)!r}")
         if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
@@ -122,3 +127,55 @@ class ParityCase:
         check_fits([int(b) for b in cu.tolist()], self.placement)
         if not self.name:
             object.__setattr__(self, "name", self.placement.name)
+
+
+def default_optimizer(params):
+    """AdamW(lr=1e-2, weight_decay=0.1): a step large enough that a wrong gradient moves a weight."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingStep:
+    """The trainer around a sharded layer, for `assert_training_parity`. Callables module-level
+    (the ranks get them pickled by reference); None means the harness's own, correct, version.
+
+    steps: optimizer steps, each over every micro-batch (gradients accumulating between them).
+    max_norm: clip the gradients to this global norm (None: no clipping).
+    optimizer(params) -> torch.optim.Optimizer; on the ranks and for the reference.
+    loss(y, dy, tokens, micro_batches) -> scalar tensor: a rank's part of one micro-batch's loss
+        (`y`, `dy` its tokens; `tokens` the micro-batch's whole count): the micro-batch's loss is
+        the sum of the parts over the ranks holding different tokens. On the reference (the
+        whole batch) it is the loss. Default `(y * dy).sum() / (tokens * micro_batches)`: a
+        token mean over the whole micro-batch, averaged over the micro-batches.
+    finalize_grads(module, placement, groups): the trainer's reduction once all micro-batches'
+        backwards are done (Megatron's finalize_model_grads). Default: every gradient summed
+        over the CP group (each CP rank holds the partial sum over its tokens).
+    grad_norm(module, placement, groups) -> 0-dim tensor: the global gradient norm, the same on
+        every rank. Default: every parameter counted once: TP-sharded squares summed over the TP
+        group, TP-replicated ones (`ShardedLayer.replicated`) once, DTensor gradients whole.
+    clip(params, max_norm, total_norm): scale the gradients; default
+        `torch.nn.utils.clip_grads_with_norm_`.
+    """
+
+    steps: int = 2
+    max_norm: float | None = None
+    optimizer: Callable = default_optimizer
+    loss: Callable | None = None
+    finalize_grads: Callable | None = None
+    grad_norm: Callable | None = None
+    clip: Callable | None = None
+
+    def __post_init__(self):
+        positive_int(self.steps, "TrainingStep.steps")
+        if self.max_norm is not None and (isinstance(self.max_norm, bool) or not isinstance(self.max_norm, (int, float))
+                                          or not math.isfinite(self.max_norm) or self.max_norm <= 0):
+            raise ValueError(f"TrainingStep.max_norm must be None or a positive finite number, got {self.max_norm!r}")
+        if not callable(self.optimizer):
+            raise ValueError(f"TrainingStep.optimizer must be callable, got {self.optimizer!r}")
+        for field in ("loss", "finalize_grads", "grad_norm", "clip"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
+                raise ValueError(f"TrainingStep.{field} must be callable or None, got {getattr(self, field)!r}")
+        try:
+            pickle.dumps(self)
+        except Exception as exc:  # noqa: BLE001 - reported as bad input
+            raise ValueError(f"TrainingStep's callables must be module-level (spawn pickles them by reference): {exc}") from None

@@ -190,7 +190,7 @@ def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) 
             for name in sorted(case.layer.replicated):
                 for c in range(cp):
                     where = f" (CP rank {c})" if cp > 1 else ""
-                    collect(_check_replicated, label, name, [at(t, c)[2][name] for t in range(tp)], where, rtol,
+                    collect(check_replicated, label, name, [at(t, c)[2][name] for t in range(tp)], where, rtol,
                             bitwise_replicated)
         per_tp = []
         for t in range(tp):
@@ -227,21 +227,23 @@ def _token_ranks(holders, case) -> dict | None:
     return ranks or None
 
 
-def _check_replicated(label, name, grads, where, rtol, bitwise):
+def check_replicated(label, name, grads, where, rtol, bitwise, what="grad"):
+    """A TP-replicated parameter's gradient (or, what="weight", its value) the same on every TP rank."""
     __tracebackhide__ = True
     first = grads[0]
+    held = "gradient" if what == "grad" else "value"
     for t, g in enumerate(grads[1:], start=1):
         if first is None or g is None:
-            raise AssertionError(f"{label} grad {name}: no gradient on TP rank {0 if first is None else t}{where}")
+            raise AssertionError(f"{label} {what} {name}: no {held} on TP rank {0 if first is None else t}{where}")
         if bitwise:
             if not torch.equal(g, first):
                 diff = float((g.double() - first.double()).abs().max())
                 raise AssertionError(
-                    f"{label} grad {name}: TP-replicated parameter, but TP ranks 0 and {t}{where} hold different "
-                    f"gradients (max |diff| {diff:.2e}): its gradient must be reduced over the TP group")
+                    f"{label} {what} {name}: TP-replicated parameter, but TP ranks 0 and {t}{where} hold different "
+                    f"{held}s (max |diff| {diff:.2e}): its gradient must be reduced over the TP group")
         else:
             assert_parity(g, first, rtol=rtol,
-                          name=f"{label} grad {name}: TP-replicated, TP rank {t} vs TP rank 0{where}")
+                          name=f"{label} {what} {name}: TP-replicated, TP rank {t} vs TP rank 0{where}")
 
 
 def _sum_over_cp(grads):

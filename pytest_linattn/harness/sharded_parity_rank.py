@@ -13,7 +13,7 @@ import torch
 from .cases import ParityCase, ShardedLayer
 from .placement import Placement, rank_token_index
 
-__all__ = ["RankCase", "run_cases_on_rank"]
+__all__ = ["RankCase", "load_shard", "run_cases_on_rank", "run_device", "whole"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,8 +41,7 @@ def run_cases_on_rank(cases: Sequence[RankCase]):
     global parallel state initialises it once per group of cases."""
     import torch.distributed as dist
 
-    rank = dist.get_rank()
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    rank, device = dist.get_rank(), run_device()
     order: dict[tuple, list[int]] = {}
     for i, c in enumerate(cases):
         order.setdefault((c.layer.process_groups, c.placement.tp, c.placement.cp), []).append(i)
@@ -54,7 +53,19 @@ def run_cases_on_rank(cases: Sequence[RankCase]):
     return results
 
 
-def _load(module: torch.nn.Module, local: dict) -> None:
+def run_device() -> torch.device:
+    """This rank's device: its GPU under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def whole(t):
+    """t, or the whole tensor of a DTensor (collective: every rank calls it in the same order)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def load_shard(module: torch.nn.Module, local: dict) -> None:
     params = dict(module.named_parameters())
     missing, unexpected = sorted(params.keys() - local.keys()), sorted(local.keys() - params.keys())
     if missing or unexpected:
@@ -72,7 +83,8 @@ def _run_case(case: RankCase, groups, rank: int, device):
     p = case.placement
     tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
     module = case.layer.build(p, groups, case.dtype, device)
-    _load(module, case.layer.shard(case.weights, p, tp_rank))
+    if case.layer.shard is not None:
+        load_shard(module, case.layer.shard(case.weights, p, tp_rank))
     index = rank_token_index(case.cu_seqlens, p, tp_rank, cp_rank)
     x = case.x[:, index].to(device, case.dtype).requires_grad_()
     dy = case.dy[:, index].to(device, case.dtype)
@@ -81,4 +93,4 @@ def _run_case(case: RankCase, groups, rank: int, device):
     (y * dy).sum().backward()
     if case.layer.after_backward is not None:
         case.layer.after_backward(module, p)
-    return y.detach(), x.grad, {n: q.grad for n, q in module.named_parameters()}
+    return y.detach(), x.grad, {n: whole(q.grad) for n, q in module.named_parameters()}

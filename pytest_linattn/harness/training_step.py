@@ -1,0 +1,200 @@
+"""Training-step parity: a sharded layer inside what a trainer runs, against its replicated layer.
+
+One forward and backward cannot see the bugs that sit around a layer: a gradient all-reduced
+after every micro-batch instead of once, a replicated weight counted tp times in the gradient
+norm, a loss averaged per CP rank. `assert_training_parity` runs, on every rank of a `spawn`
+world and for the replicated reference alike, S steps of:
+
+    zero the gradients
+    for each micro-batch (its own packed batch): forward, loss part, backward, after_backward
+    the trainer's reduction (TrainingStep.finalize_grads; default: sum over the CP group)
+    the global gradient norm (TrainingStep.grad_norm; default: each parameter counted once)
+    clipping to max_norm, the optimizer step (AdamW by default)
+
+and after every step compares the loss (the ranks' parts added up), every rank's gradient norm,
+every gradient after the reduction and every parameter after the step: TP-sharded ones through
+the client's `unshard` on every CP rank, TP-replicated ones equal on every TP rank. A failure
+names the case, the step, the micro-batch count, the tensor and the TP / CP rank.
+
+The client's layer is a `ShardedLayer` (see `pytest_linattn.harness.cases`; `unshard` is given
+parameters as well as gradients: they share a layout). A world of tp * cp ranks: no data-parallel
+replicas (they would see the same data). What the ranks run: `training_step_rank`.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Callable, Sequence
+
+import torch
+
+from ..parity import assert_parity, check_rtol
+from .cases import ShardedLayer, TrainingStep
+from .placement import Placement, as_cu_seqlens, check_fits
+from .sharded_parity import check_replicated
+from .training_step_rank import RankTraining, default_loss, run_training_on_rank
+
+__all__ = ["assert_training_parity"]
+
+
+def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module, placements: Sequence[Placement],
+                           micro_batches, *, hidden_size: int, seed: int, rtol: float,
+                           step: TrainingStep = TrainingStep(), output_size: int | None = None,
+                           dtype: torch.dtype = torch.float64, bitwise_replicated: bool = True,
+                           reference_forward: Callable | None = None, name: str = "") -> list[dict]:
+    """`layer` at every placement trained as `step` says, against `reference` trained alike.
+
+    micro_batches: one packing (cu_seqlens) per micro-batch; every step runs them all.
+    x `[1, T, hidden_size]` and dy `[1, T, output_size or hidden_size]` are drawn from N(0, 1)
+    per step and micro-batch, seeded by `seed`. `reference` is not changed (a copy trains).
+    bitwise_replicated: TP-replicated gradients and parameters must be bit-identical across TP
+    ranks; False compares them to rtol.
+    Returns the reference's steps: [{"loss", "grad_norm", "clipped"}] (clipped: the norm was
+    over max_norm), so a test can check that clipping bit. AssertionError with every failing
+    check otherwise.
+    """
+    __tracebackhide__ = True
+    rtol = check_rtol(rtol)
+    if not isinstance(layer, ShardedLayer):
+        raise ValueError(f"layer must be a ShardedLayer, got {type(layer).__name__}")
+    if not isinstance(reference, torch.nn.Module):
+        raise ValueError(f"reference must be a torch.nn.Module, got {type(reference).__name__}")
+    if not isinstance(step, TrainingStep):
+        raise ValueError(f"step must be a TrainingStep, got {type(step).__name__}")
+    for value, what in ((hidden_size, "hidden_size"), (output_size or 1, "output_size")):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{what} must be a positive int, got {value!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    placements = list(placements)
+    if not placements or not all(isinstance(p, Placement) for p in placements):
+        raise ValueError("placements must hold at least one Placement, and only Placements")
+    if isinstance(micro_batches, torch.Tensor) or not isinstance(micro_batches, Sequence) or not micro_batches:
+        raise ValueError("micro_batches must be a non-empty list of cu_seqlens, one packed batch per micro-batch")
+    packings = [as_cu_seqlens(cu) for cu in micro_batches]
+    for p in placements:
+        for m, cu in enumerate(packings):
+            try:
+                check_fits([int(b) for b in cu.tolist()], p)
+            except ValueError as exc:
+                raise ValueError(f"micro_batches[{m}] at placement {p.name}: {exc}") from None
+
+    gen = torch.Generator().manual_seed(seed)
+    out = output_size or hidden_size
+    xs, dys = [], []
+    for _ in range(step.steps):
+        xs.append([torch.randn(1, int(cu[-1]), hidden_size, generator=gen, dtype=torch.float64) for cu in packings])
+        dys.append([torch.randn(1, int(cu[-1]), out, generator=gen, dtype=torch.float64) for cu in packings])
+    ref_steps = _reference_steps(reference, packings, xs, dys, step, reference_forward)
+    weights = None if layer.shard is None else {n: q.detach() for n, q in reference.named_parameters()}
+    prefix = f"{name}/" if name else ""
+    worlds: dict[int, list[Placement]] = {}
+    for p in placements:
+        worlds.setdefault(p.size, []).append(p)
+    for world, group in worlds.items():
+        cases = [RankTraining(layer, p, weights, packings, xs, dys, dtype, step) for p in group]
+        per_rank = spawn(run_training_on_rank, world, cases)
+        for j, p in enumerate(group):
+            _check_steps(layer, p, [r[j] for r in per_rank], ref_steps, rtol, bitwise_replicated,
+                         f"{prefix}{p.name}/seed{seed}", len(packings))
+    return [{"loss": float(loss), "grad_norm": float(norm),
+             "clipped": step.max_norm is not None and float(norm) > step.max_norm}
+            for loss, norm, _, _ in ref_steps]
+
+
+def _reference_steps(reference, packings, xs, dys, step: TrainingStep, reference_forward):
+    """The replicated layer's (loss, grad norm, gradients, parameters) after every step."""
+    ref = copy.deepcopy(reference)
+    dtype = next(ref.parameters()).dtype
+    params = list(ref.parameters())
+    optimizer = step.optimizer(params)
+    loss_fn = step.loss or default_loss
+    M = len(packings)
+    steps = []
+    with torch.enable_grad():
+        for s in range(step.steps):
+            optimizer.zero_grad(set_to_none=True)
+            loss = torch.zeros((), dtype=torch.float64)
+            for m, cu in enumerate(packings):
+                x, dy = xs[s][m].to(dtype), dys[s][m].to(dtype)
+                y = reference_forward(ref, x, cu) if reference_forward else ref(x, cu)
+                part = loss_fn(y, dy, int(cu[-1]), M)
+                part.backward()
+                loss += part.detach().double()
+            grads = {n: None if q.grad is None else q.grad.detach().clone() for n, q in ref.named_parameters()}
+            norm = torch.stack([g.double().pow(2).sum() for g in grads.values() if g is not None]).sum().sqrt()
+            if step.max_norm is not None:
+                torch.nn.utils.clip_grads_with_norm_([q for q in params if q.grad is not None], step.max_norm, norm)
+            optimizer.step()
+            steps.append((loss, norm, grads, {n: q.detach().clone() for n, q in ref.named_parameters()}))
+    return steps
+
+
+def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_name, micro_batches) -> None:
+    """Every step's checks; one AssertionError with all that fail, naming step and ranks."""
+    __tracebackhide__ = True
+    tp, cp = p.tp, p.cp
+    names = set(results[0][0][2])
+    unknown = sorted(layer.replicated - names)
+    if unknown:
+        raise ValueError(f"ShardedLayer.replicated names {unknown}, not parameters of the built module "
+                         f"(its parameters: {sorted(names)})")
+    describe = None
+    if layer.describe_grad_element is not None:
+        def describe(tensor, index):
+            return layer.describe_grad_element(tensor, index, p)
+    failures = []
+
+    def collect(check, *args, **kwargs):
+        try:
+            check(*args, **kwargs)
+        except AssertionError as exc:  # keep going: which tensors break, and from which step, tells
+            failures.append(str(exc))
+
+    for s, (loss_ref, norm_ref, grads_ref, weights_ref) in enumerate(ref_steps):
+        label = f"{case_name} step {s + 1}/{len(ref_steps)} ({micro_batches} micro-batches)"
+
+        def at(t, c, s=s):
+            return results[t + tp * c][s]
+
+        # the loss: parts of ranks holding different tokens add up (every TP rank holds its CP
+        # rank's tokens unless SP splits them)
+        holders = [(t, c) for c in range(cp) for t in (range(tp) if p.sequence_parallel else (0,))]
+        collect(assert_parity, sum(at(t, c)[0] for t, c in holders), loss_ref, rtol=rtol, name=f"{label} loss")
+        if not p.sequence_parallel:
+            for t in range(1, tp):
+                for c in range(cp):
+                    collect(assert_parity, at(t, c)[0], at(0, c)[0], rtol=rtol,
+                            name=f"{label} loss part of TP rank {t} vs TP rank 0 (CP rank {c}), the same tokens")
+        collect(_check_norms, {(t, c): at(t, c)[1] for t in range(tp) for c in range(cp)}, norm_ref, rtol,
+                f"{label} grad norm")
+        for k, what, ref in ((2, "grad", grads_ref), (3, "weight", weights_ref)):
+            for c in range(cp):
+                where = f" (CP rank {c})" if cp > 1 else ""
+                if tp > 1:
+                    for n in sorted(layer.replicated):
+                        collect(check_replicated, label, n, [at(t, c)[k][n] for t in range(tp)], where, rtol,
+                                bitwise, what=what)
+                whole = layer.unshard([at(t, c)[k] for t in range(tp)], p)
+                collect(assert_parity, whole, ref, rtol=rtol, name=f"{label} {what}{where}", describe=describe)
+    if failures:
+        raise AssertionError(f"training-step parity failed for case {case_name}: {len(failures)} failing check(s)\n\n"
+                             + "\n\n".join(failures))
+
+
+def _check_norms(norms: dict, ref: torch.Tensor, rtol: float, name: str) -> None:
+    """Every rank's gradient norm against the reference's, naming the ranks that are off."""
+    __tracebackhide__ = True
+    expected = float(ref)
+    off = []
+    for (t, c), norm in norms.items():
+        got = float(norm)
+        err = abs(got - expected) / abs(expected) if expected else abs(got)
+        if not math.isfinite(got) or not err <= rtol:
+            off.append(f"TP rank {t}, CP rank {c}: {got:.6e} (relative error {err:.2e})")
+    if off:
+        raise AssertionError(f"{name}: the reference's is {expected:.6e} (rtol {rtol:.0e}); off on "
+                             f"{len(off)} of {len(norms)} rank(s):\n  " + "\n  ".join(off))
+    assert_parity(torch.stack([n.double() for n in norms.values()]), ref.double().expand(len(norms)), rtol=rtol,
+                  name=name)

@@ -1,0 +1,125 @@
+"""What a rank of a training-step spawn runs: build the sharded layer, load its shard, then every
+step: each micro-batch's forward, loss and backward (gradients accumulating, the client's
+`after_backward` after each), the trainer's reduction, the gradient norm, clipping and the
+optimizer step; a snapshot of what the test process compares after every step. The test
+process: `pytest_linattn.harness.training_step`. This module imports no pytest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from .cases import ShardedLayer, TrainingStep
+from .placement import Placement, default_process_groups, rank_token_index
+from .sharded_parity_rank import load_shard, run_device, whole
+
+__all__ = ["RankTraining", "default_grad_norm", "run_training_on_rank", "sum_grads_over"]
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTraining:
+    """What a rank needs of a training case: x[step][micro_batch], dy likewise (whole batches)."""
+
+    layer: ShardedLayer
+    placement: Placement
+    weights: dict | None
+    micro_batches: list
+    x: list
+    dy: list
+    dtype: torch.dtype
+    step: TrainingStep
+
+
+def default_loss(y, dy, tokens, micro_batches):
+    """A token mean over the whole micro-batch, averaged over the micro-batches (this rank's part)."""
+    return (y * dy).sum() / (tokens * micro_batches)
+
+
+def sum_grads_over(module: torch.nn.Module, group) -> None:
+    """Every gradient summed over `group` (the default reduction: over the CP group)."""
+    import torch.distributed as dist
+
+    if group is None:
+        return
+    for q in module.parameters():
+        if q.grad is not None:
+            dist.all_reduce(q.grad, group=group)
+
+
+def default_grad_norm(module: torch.nn.Module, replicated, tp_group) -> torch.Tensor:
+    """The global gradient norm, each parameter counted once: TP-sharded squares summed over
+    `tp_group`, the `replicated` ones and DTensor gradients (whole on every rank) once. float64."""
+    import torch.distributed as dist
+
+    device = next(module.parameters()).device
+    sharded = torch.zeros((), dtype=torch.float64, device=device)
+    once = torch.zeros((), dtype=torch.float64, device=device)
+    for name, q in module.named_parameters():
+        if q.grad is None:
+            continue
+        if hasattr(q.grad, "full_tensor") or name in replicated:
+            once += whole(q.grad).double().pow(2).sum()
+        else:
+            sharded += q.grad.double().pow(2).sum()
+    if tp_group is not None:
+        dist.all_reduce(sharded, group=tp_group)
+    return (sharded + once).sqrt()
+
+
+def run_training_on_rank(cases):
+    """Rank function (for spawn): per case, per step, (loss part, grad norm, gradients after the
+    reduction, parameters after the optimizer step), whole tensors on this rank."""
+    import torch.distributed as dist
+
+    rank, device = dist.get_rank(), run_device()
+    return [_train(case, rank, device) for case in cases]
+
+
+def _train(case: RankTraining, rank: int, device):
+    p, layer, step = case.placement, case.layer, case.step
+    tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
+    groups = layer.process_groups(p)
+    # the harness's own reductions need (tp_group, cp_group) whatever the client's groups are
+    own = groups if layer.process_groups is default_process_groups else default_process_groups(p)
+    module = layer.build(p, groups, case.dtype, device)
+    if layer.shard is not None:
+        load_shard(module, layer.shard(case.weights, p, tp_rank))
+    params = list(module.parameters())
+    optimizer = step.optimizer(params)
+    loss_fn = step.loss or default_loss
+    M = len(case.micro_batches)
+    snapshots = []
+    for s in range(step.steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = torch.zeros((), dtype=torch.float64)
+        for m, cu in enumerate(case.micro_batches):
+            index = rank_token_index(cu, p, tp_rank, cp_rank)
+            x = case.x[s][m][:, index].to(device, case.dtype)
+            dy = case.dy[s][m][:, index].to(device, case.dtype)
+            cu_here = cu.to(device)
+            y = layer.forward(module, x, cu_here, p) if layer.forward else module(x, cu_here)
+            part = loss_fn(y, dy, int(cu[-1]), M)
+            part.backward()
+            if layer.after_backward is not None:
+                layer.after_backward(module, p)
+            loss += part.detach().double().cpu()
+        if step.finalize_grads is not None:
+            step.finalize_grads(module, p, groups)
+        else:
+            sum_grads_over(module, own[1])
+        norm = (step.grad_norm(module, p, groups) if step.grad_norm is not None
+                else default_grad_norm(module, layer.replicated, own[0]))
+        grads = {n: _snapshot(q.grad) for n, q in module.named_parameters()}
+        if step.max_norm is not None:
+            clip = step.clip or torch.nn.utils.clip_grads_with_norm_
+            clip([q for q in params if q.grad is not None], step.max_norm, norm)
+        optimizer.step()
+        weights = {n: _snapshot(q.detach()) for n, q in module.named_parameters()}
+        snapshots.append((loss, torch.as_tensor(whole(norm)).detach().double().cpu(), grads, weights))
+    return snapshots
+
+
+def _snapshot(t):
+    return None if t is None else whole(t).detach().clone()
