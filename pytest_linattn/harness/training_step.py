@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from linattn.checks import positive_int
+
 from ..parity import assert_parity, check_rtol
 from .cases import ShardedLayer, TrainingStep
 from .placement import Placement, as_cu_seqlens, check_fits
@@ -62,9 +64,9 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
         raise ValueError(f"reference must be a torch.nn.Module, got {type(reference).__name__}")
     if not isinstance(step, TrainingStep):
         raise ValueError(f"step must be a TrainingStep, got {type(step).__name__}")
-    for value, what in ((hidden_size, "hidden_size"), (output_size or 1, "output_size")):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{what} must be a positive int, got {value!r}")
+    positive_int(hidden_size, "hidden_size")
+    if output_size is not None:
+        positive_int(output_size, "output_size")
     if isinstance(seed, bool) or not isinstance(seed, int):
         raise ValueError(f"seed must be an int, got {seed!r}")
     placements = list(placements)

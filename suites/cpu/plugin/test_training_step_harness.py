@@ -1,0 +1,161 @@
+"""The public training-step check (pytest_linattn.harness.training_step) on a toy client.
+
+The toy: y = fc2(norm_weight * fc1(x)), fc1 column-parallel, fc2 row-parallel, its hidden
+features in heads of HEAD_DIM; `norm_weight` [HEAD_DIM] is TP-replicated and shared by every
+head (like a q_norm), so on a TP rank its gradient is a partial sum over that rank's heads.
+
+The trainer reduces it over TP once per step (`finalize_grads`): right. Reduced after every
+backward instead (`after_backward`, the pattern of transformers' replicated_with_grad_allreduce),
+the accumulated gradient is summed again on every micro-batch: one backward cannot see that, and
+the one-backward harness passes it; the training-step check with two micro-batches must fail,
+naming the step, the micro-batch count and the parameter. Bad input is a ValueError before any
+rank runs.
+"""
+
+import functools
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pytest_linattn import Placement, ShardedLayer, TrainingStep, assert_sharded_parity, assert_training_parity
+from pytest_linattn.parity import capture_records
+
+DIM, HEADS, HEAD_DIM = 6, 4, 3
+RTOL = 1e-10
+MICRO_BATCHES = [[0, 3, 10, 16], [0, 9, 16]]
+
+
+class HeadNormMLP(nn.Module):
+    """The toy layer; at tp=1, the replicated reference."""
+
+    def __init__(self, tp=1, group=None, dtype=torch.float64, device="cpu"):
+        super().__init__()
+        self.group, heads = group, HEADS // tp
+        self.fc1 = nn.Linear(DIM, heads * HEAD_DIM, bias=False, dtype=dtype, device=device)
+        self.norm_weight = nn.Parameter(torch.empty(HEAD_DIM, dtype=dtype, device=device))
+        self.fc2 = nn.Linear(heads * HEAD_DIM, DIM, bias=False, dtype=dtype, device=device)
+
+    def forward(self, x, cu_seqlens=None):
+        if self.group is not None:  # copy to TP: the input gradient is summed over the ranks
+            x = _CopyToTP.apply(x, self.group)
+        h = self.fc1(x).unflatten(-1, (-1, HEAD_DIM)) * self.norm_weight
+        y = self.fc2(h.flatten(-2))
+        return y if self.group is None else _ReduceFromTP.apply(y, self.group)
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, y, group):
+        y = y.clone()
+        dist.all_reduce(y, group=group)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _build(placement, groups, dtype, device):
+    return HeadNormMLP(placement.tp, groups[0], dtype, device)
+
+
+def _shard(full, placement, tp_rank):
+    def rows(t, dim=0):
+        return t.chunk(placement.tp, dim)[tp_rank]
+
+    return {"fc1.weight": rows(full["fc1.weight"]), "norm_weight": full["norm_weight"],
+            "fc2.weight": rows(full["fc2.weight"], 1)}
+
+
+def _unshard(tensors, placement):
+    return {"fc1.weight": torch.cat([t["fc1.weight"] for t in tensors]), "norm_weight": tensors[0]["norm_weight"],
+            "fc2.weight": torch.cat([t["fc2.weight"] for t in tensors], 1)}
+
+
+def _reduce_norm_weight(module, placement):
+    """The replicated weight's gradient all-reduced over TP: the whole accumulated one."""
+    dist.all_reduce(module.norm_weight.grad, group=module.group)
+
+
+def _finalize_once(module, placement, groups):
+    """Once per step: the replicated weight's gradient all-reduced over TP (no CP here)."""
+    _reduce_norm_weight(module, placement)
+
+
+RIGHT = ShardedLayer(_build, _shard, _unshard, replicated={"norm_weight"})
+PER_BACKWARD = ShardedLayer(_build, _shard, _unshard, replicated={"norm_weight"}, after_backward=_reduce_norm_weight)
+ONCE_PER_STEP = TrainingStep(steps=2, max_norm=0.05, finalize_grads=_finalize_once)
+
+
+def _reference(seed=3):
+    torch.manual_seed(seed)
+    reference = HeadNormMLP()
+    nn.init.normal_(reference.norm_weight, 1.0, 0.2)
+    nn.init.normal_(reference.fc1.weight, 0.0, 0.4)
+    nn.init.normal_(reference.fc2.weight, 0.0, 0.4)
+    return reference
+
+
+def test_one_reduction_per_step_matches(spawn):
+    steps = assert_training_parity(spawn, RIGHT, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
+                                   seed=5, rtol=RTOL, step=ONCE_PER_STEP)
+    assert all(s["clipped"] for s in steps), steps
+
+
+def test_a_reduction_per_backward_passes_one_backward_but_not_accumulation(spawn):
+    # one backward: the per-backward reduction is right, and the one-backward harness passes it
+    assert_sharded_parity(spawn, PER_BACKWARD, _reference(), [Placement(tp=2)], MICRO_BATCHES[0], hidden_size=DIM,
+                          seed=5, rtol=RTOL)
+    assert_training_parity(spawn, PER_BACKWARD, _reference(), [Placement(tp=2)], MICRO_BATCHES[:1], hidden_size=DIM,
+                           seed=5, rtol=RTOL, step=TrainingStep(steps=2, max_norm=0.05))
+    # two micro-batches: the first one's gradient is summed over TP twice
+    with capture_records(), pytest.raises(AssertionError) as info:  # meant to fail: kept out of the table
+        assert_training_parity(spawn, PER_BACKWARD, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
+                               seed=5, rtol=RTOL, step=TrainingStep(steps=2, max_norm=0.05))
+    text = str(info.value)
+    assert "training-step parity failed for case tp2/seed5" in text, text
+    assert "step 1/2 (2 micro-batches) grad norm: the reference's is" in text, text
+    # after step 1's reduction only the replicated weight's gradient is wrong
+    assert re.search(r"step 1/2 \(2 micro-batches\) grad: 1 of 3 tensor\(s\) off.*\n.*\n\s+norm_weight ", text), text
+
+
+def _optimizer_lambda():
+    return lambda params: torch.optim.SGD(params, lr=0.1)
+
+
+@pytest.mark.parametrize("make, rule", [
+    (lambda: TrainingStep(steps=0), r"TrainingStep.steps must be a positive int, got 0"),
+    (lambda: TrainingStep(max_norm=-1.0), r"TrainingStep.max_norm must be None or a positive finite number"),
+    (lambda: TrainingStep(max_norm=float("nan")), r"TrainingStep.max_norm must be None or a positive finite"),
+    (lambda: TrainingStep(optimizer=_optimizer_lambda()), r"TrainingStep's callables must be module-level"),
+    (lambda: TrainingStep(grad_norm="l2"), r"TrainingStep.grad_norm must be callable or None"),
+    (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(tp=2)], [], hidden_size=DIM, seed=1,
+                                    rtol=RTOL), r"micro_batches must be a non-empty list of cu_seqlens"),
+    (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(cp=2, cp_layout="zigzag")],
+                                    MICRO_BATCHES, hidden_size=DIM, seed=1, rtol=RTOL),
+     r"micro_batches\[0\] at placement cp2-zigzag: cu_seqlens: zigzag CP needs every sequence length divisible"),
+    (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
+                                    seed=1, rtol=RTOL, output_size=0), r"output_size must be a positive int"),
+    (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
+                                    seed=1, rtol=RTOL, step=functools.partial(TrainingStep)),
+     r"step must be a TrainingStep"),
+])
+def test_bad_input_is_a_value_error_before_any_rank_runs(make, rule):
+    with pytest.raises(ValueError, match=rule):
+        make()
