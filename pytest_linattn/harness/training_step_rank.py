@@ -74,15 +74,22 @@ def run_training_on_rank(cases):
     import torch.distributed as dist
 
     rank, device = dist.get_rank(), run_device()
-    return [_train(case, rank, device) for case in cases]
+    made: dict[tuple, tuple] = {}  # groups are made once per (process_groups, tp, cp), collectively
+    results = []
+    for case in cases:
+        p, make = case.placement, case.layer.process_groups
+        if (make, p.tp, p.cp) not in made:
+            groups = make(p)
+            # the harness's own reductions need (tp_group, cp_group) whatever the client's groups are
+            own = groups if make is default_process_groups else default_process_groups(p)
+            made[(make, p.tp, p.cp)] = (groups, own)
+        results.append(_train(case, *made[(make, p.tp, p.cp)], rank, device))
+    return results
 
 
-def _train(case: RankTraining, rank: int, device):
+def _train(case: RankTraining, groups, own, rank: int, device):
     p, layer, step = case.placement, case.layer, case.step
     tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
-    groups = layer.process_groups(p)
-    # the harness's own reductions need (tp_group, cp_group) whatever the client's groups are
-    own = groups if layer.process_groups is default_process_groups else default_process_groups(p)
     module = layer.build(p, groups, case.dtype, device)
     if layer.shard is not None:
         load_shard(module, layer.shard(case.weights, p, tp_rank))
