@@ -17,6 +17,10 @@ implementation gets wrong (checked by `describe`):
   2·cp_size, so min_len rounds up to one and the shortest possible sequence (one token per
   chunk) is included when min_len <= 2·cp_size.
   A length-1 sequence is impossible there.
+- fla-zigzag layout (fla's build_cp_context(layout="zigzag"): the whole batch in 2·cp_size
+  intervals, rank r holding intervals r and 2·cp_size-1-r; see pytest_linattn.harness.placement):
+  the contiguous coverage over the 2·cp_size intervals (total_tokens divisible by 2·cp_size),
+  so a sequence crosses intervals held by different ranks and a boundary sits on an interval edge.
 
 Requests that cannot be met raise ValueError naming the parameter. `seed=None` means
 DEFAULT_SEED, so an unseeded call is reproducible too. This module imports no pytest.
@@ -30,7 +34,7 @@ import torch
 from linattn.checks import positive_int, validate_cu_seqlens
 
 DEFAULT_SEED = 20260
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "fla-zigzag")
 _TRIES = 48
 
 
@@ -55,6 +59,12 @@ def packed_seqlens(total_tokens: int, num_seqs: int | None = None, *, seed: int 
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     if edge_boundary not in (None, True, False):
         raise ValueError(f"edge_boundary must be None, True or False, got {edge_boundary!r}")
+    if layout == "fla-zigzag":  # the contiguous coverage over the 2·cp_size intervals
+        if total_tokens % (2 * cp_size):
+            raise ValueError(f"total_tokens={total_tokens} must be divisible by 2*cp_size={2 * cp_size} "
+                             f"(layout='fla-zigzag')")
+        return packed_seqlens(total_tokens, num_seqs, seed=seed, min_len=min_len, cp_size=2 * cp_size,
+                              edge_boundary=edge_boundary)
     if seed is None:
         seed = DEFAULT_SEED
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
@@ -215,12 +225,14 @@ def describe(cu_seqlens, cp_size: int = 1, layout: str = "contiguous") -> dict:
 
     Always: num_seqs, total_tokens, min_len, max_len, has_length_one.
     contiguous: boundary_on_shard_edge, boundary_inside_shard, max_shards_spanned (most CP
-    shards one sequence touches). zigzag: unit (2·cp_size), lengths_divisible,
-    has_shortest (a sequence of exactly one unit).
+    shards one sequence touches). fla-zigzag: the same over the 2·cp_size intervals (its shards).
+    zigzag: unit (2·cp_size), lengths_divisible, has_shortest (a sequence of exactly one unit).
     """
     cp_size = positive_int(cp_size, "cp_size")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    if layout == "fla-zigzag":
+        return describe(cu_seqlens, 2 * cp_size)
     bounds = cu_seqlens_bounds(torch.as_tensor(cu_seqlens).reshape(-1))
     lengths = [b - a for a, b in zip(bounds, bounds[1:])]
     T = bounds[-1]

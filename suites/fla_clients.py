@@ -3,12 +3,20 @@ importing fla costs seconds, so only the tests that use it pay).
 
 - `fla_layer(kind, **options)`: fla's own GatedDeltaNet / KimiDeltaAttention, float64, its
   weights from the project's seeded `random_state_dict` through the fla name map.
-- `ContextParallelKDA`: fla's KimiDeltaAttention driven the way fla's context parallelism is
-  called (`build_cp_context`, `cp_context=` on the conv and on chunk_kda); `run_cp_layer` is its
-  rank function for `spawn`.
+- `HeadShardedGDN` / `fla_gdn_client()`: a team's tensor- and context-parallel gated delta net on
+  fla's public ops, described to the harness (docs/harness.md's fla example is this client): its
+  heads split over TP (q/k/v/a/b/g column-parallel, the per-channel short convs, A_log and
+  dt_bias by head, o_norm replicated, o_proj row-parallel), its tokens over CP through fla's
+  `build_cp_context(..., layout=placement.fla_layout)` and `cp_context=`. The reference is fla's
+  own replicated GatedDeltaNet; parameter names are fla's, so `shard` only slices.
+- `ContextParallelKDA` / `fla_kda_client(**options)`: fla's KimiDeltaAttention driven the way
+  fla's context parallelism is called (`build_cp_context`, `cp_context=` on the conv and on
+  chunk_kda), CP only.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
@@ -16,20 +24,21 @@ from einops import rearrange
 from fla.layers import GatedDeltaNet, KimiDeltaAttention
 from fla.modules.convolution import causal_conv1d
 from fla.ops.cp import build_cp_context
+from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from fla.ops.kda import chunk_kda
 
 from layer_parity import random_state_dict
 from linattn.layers import config_from_fla_layer, to_fla_state_dict
+from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
+from pytest_linattn import ShardedLayer
 
 SIZES = dict(hidden_size=20, head_dim=8, num_heads=2, num_v_heads=4, conv_size=4, norm_eps=1e-5)  # GVA 2
+GDN_SIZES = dict(SIZES, expand_v=0.75)  # value heads of 6
 
 
 def fla_layer(kind: str, *, seed: int, **options):
     """(fla layer in float64 with seeded weights, the project's config, the project's state dict)."""
-    if kind == "gdn":
-        layer = GatedDeltaNet(**SIZES, expand_v=0.75, **options)
-    else:
-        layer = KimiDeltaAttention(**SIZES, **options)
+    layer = GatedDeltaNet(**GDN_SIZES, **options) if kind == "gdn" else KimiDeltaAttention(**SIZES, **options)
     layer = layer.double()
     config = config_from_fla_layer(layer)
     state_dict = random_state_dict(config, seed)
@@ -37,14 +46,89 @@ def fla_layer(kind: str, *, seed: int, **options):
     return layer, config, state_dict
 
 
-class ContextParallelKDA(KimiDeltaAttention):
-    """fla's KDA layer on this rank's contiguous piece of a packed batch, its short convs and its
-    recurrence crossing rank boundaries through fla's CP context."""
+def fla_forward(layer, x, cu_seqlens):
+    """How the harness calls fla's own (replicated) layers: `reference_forward=fla_forward`."""
+    return layer(x, cu_seqlens=cu_seqlens.long())[0]
 
-    def forward(self, hidden_states, cp_context):
+
+def cp_context(cu_seqlens, placement, cp_group, conv_size, fla_layout=None):
+    """The ops' sequence arguments: fla's CP context under CP, else the batch's cu_seqlens."""
+    if cp_group is None:
+        return dict(cu_seqlens=cu_seqlens.long())
+    layout = fla_layout or placement.fla_layout  # "contiguous" or "zigzag" (Placement "fla-zigzag")
+    return dict(cp_context=build_cp_context(cu_seqlens.long(), group=cp_group, conv1d_kernel_size=conv_size,
+                                            layout=layout))
+
+
+# ---- a head-sharded GDN on fla's ops, TP x CP ---------------------------------------------------
+
+GDN_SPLIT = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "a_proj.weight": 0, "b_proj.weight": 0,
+             "g_proj.weight": 0, "A_log": 0, "dt_bias": 0, "q_conv1d.weight": 0, "k_conv1d.weight": 0,
+             "v_conv1d.weight": 0, "o_proj.weight": 1, "o_norm.weight": None}  # dim split over TP; None: replicated
+
+
+class HeadShardedGDN(GatedDeltaNet):
+    """fla's GatedDeltaNet holding num_heads / tp key heads and num_v_heads / tp value heads."""
+
+    def __init__(self, placement, groups, fla_layout=None):
+        tp = placement.tp
+        super().__init__(**dict(GDN_SIZES, num_heads=GDN_SIZES["num_heads"] // tp,
+                                num_v_heads=GDN_SIZES["num_v_heads"] // tp))
+        self.placement, (self.tp_group, self.cp_group), self.fla_layout = placement, groups, fla_layout
+
+    def forward(self, x, cu_seqlens):
+        x = copy_to_tensor_parallel_region(x, self.tp_group)  # dx summed over the TP ranks' heads
+        seq = cp_context(cu_seqlens, self.placement, self.cp_group, self.conv_size, self.fla_layout)
+        q, k, v = (conv(proj(x), **seq)[0] for proj, conv in
+                   ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d)))
+        q, k = (rearrange(t, "... (h d) -> ... h d", d=self.head_k_dim) for t in (q, k))
+        v = rearrange(v, "... (h d) -> ... h d", d=self.head_v_dim)
+        o, _ = chunk_gated_delta_rule(q, k, v, g=self.a_proj(x), beta=self.b_proj(x), A_log=self.A_log,
+                                      dt_bias=self.dt_bias, use_gate_in_kernel=True, use_qk_l2norm_in_kernel=True,
+                                      use_beta_sigmoid_in_kernel=True, **seq)
+        o = self.o_norm(o, rearrange(self.g_proj(x), "... (h d) -> ... h d", d=self.head_v_dim))
+        return reduce_from_tensor_parallel_region(self.o_proj(rearrange(o, "b t h d -> b t (h d)")), self.tp_group)
+
+
+def build_gdn(placement, groups, dtype, device, fla_layout=None):
+    return HeadShardedGDN(placement, groups, fla_layout).to(device, dtype)
+
+
+def shard_gdn(full, placement, tp_rank):
+    return {n: t if GDN_SPLIT[n] is None else t.chunk(placement.tp, GDN_SPLIT[n])[tp_rank] for n, t in full.items()}
+
+
+def unshard_gdn(grads, placement):
+    return {n: grads[0][n] if dim is None else torch.cat([g[n] for g in grads], dim) for n, dim in GDN_SPLIT.items()}
+
+
+def reduce_norm_grad(module, placement):
+    """The trainer's finalize step: o_norm is replicated over TP, each rank's gradient a partial sum."""
+    if placement.tp > 1:
+        dist.all_reduce(module.o_norm.weight.grad, group=module.tp_group)
+
+
+def fla_gdn_client(fla_layout=None):
+    """The client; `fla_layout` fixes fla's layout whatever the placement (a layer with a wrong layout)."""
+    return ShardedLayer(functools.partial(build_gdn, fla_layout=fla_layout), shard_gdn, unshard_gdn,
+                        replicated={"o_norm.weight"}, after_backward=reduce_norm_grad)
+
+
+# ---- fla's KDA layer through fla's CP API, CP only --------------------------------------------
+
+
+class ContextParallelKDA(KimiDeltaAttention):
+    """fla's KDA layer on this rank's piece of a packed batch, its short convs and its recurrence
+    crossing rank boundaries through fla's CP context."""
+
+    def __init__(self, placement, cp_group, **options):
+        super().__init__(**SIZES, **options)
+        self.placement, self.cp_group = placement, cp_group
+
+    def forward(self, hidden_states, cu_seqlens):
+        seq = cp_context(cu_seqlens, self.placement, self.cp_group, self.conv_size)
         q, k, v = (
-            causal_conv1d(proj(hidden_states), weight=conv.weight.squeeze(1), activation="silu",
-                          cp_context=cp_context)[0]
+            causal_conv1d(proj(hidden_states), weight=conv.weight.squeeze(1), activation="silu", **seq)[0]
             for proj, conv in ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d))
         )
         q, k, g = (rearrange(t, "... (h d) -> ... h d", d=self.head_k_dim) for t in (q, k, self.f_proj(hidden_states)))
@@ -52,21 +136,23 @@ class ContextParallelKDA(KimiDeltaAttention):
         o, _ = chunk_kda(
             q=q, k=k, v=v, g=g, beta=self.b_proj(hidden_states), A_log=self.A_log, dt_bias=self.dt_bias,
             use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
-            safe_gate=self.safe_gate, lower_bound=self.lower_bound, cp_context=cp_context,
+            safe_gate=self.safe_gate, lower_bound=self.lower_bound, **seq,
         )
         o = self.o_norm(o, rearrange(self.g_proj(hidden_states), "... (h d) -> ... h d", d=self.head_v_dim))
         return self.o_proj(rearrange(o, "b t h d -> b t (h d)"))
 
 
-def run_cp_layer(fla_state_dict, options, x, dy, cu_seqlens):
-    """Rank function: this rank's contiguous piece (rank r holds tokens [r T/cp, (r+1) T/cp)) of
-    x through ContextParallelKDA, forward and backward: (y, dx, parameter grads)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    layer = ContextParallelKDA(**SIZES, **options).double()
-    layer.load_state_dict(fla_state_dict)
-    context = build_cp_context(cu_seqlens.long(), group=dist.group.WORLD, conv1d_kernel_size=SIZES["conv_size"])
-    piece = slice(rank * x.shape[1] // world, (rank + 1) * x.shape[1] // world)
-    x_local = x[:, piece].clone().requires_grad_()
-    y = layer(x_local, cp_context=context)
-    (y * dy[:, piece]).sum().backward()
-    return y.detach(), x_local.grad, {n: p.grad for n, p in layer.named_parameters()}
+def build_kda(placement, groups, dtype, device, options):
+    return ContextParallelKDA(placement, groups[1], **options).to(device, dtype)
+
+
+def whole(full, placement, tp_rank):
+    return dict(full)
+
+
+def first_tp_rank(grads, placement):
+    return dict(grads[0])
+
+
+def fla_kda_client(**options):
+    return ShardedLayer(functools.partial(build_kda, options=options), whole, first_tp_rank)

@@ -5,11 +5,19 @@ Ranks: global rank = tp_rank + tp * (cp_rank + cp * dp_rank) (Megatron's order, 
 
 Token layout (computed here from this definition, not by the library under test, so a layout
 bug shared by a layer and its helpers still shows). T = cu_seqlens[-1]:
-    contiguous  CP rank r holds tokens [r*T/cp, (r+1)*T/cp)
+    contiguous  CP rank r holds tokens [r*T/cp, (r+1)*T/cp). fla: build_cp_context(layout=
+                "contiguous"); linattn: cp_layout="contiguous"; Megatron without load balancing.
     zigzag      every sequence is cut into 2*cp equal chunks; CP rank r holds chunks r and
-                2*cp-1-r of each sequence, sequences in order
+                2*cp-1-r of each sequence, sequences in order. linattn: cp_layout="zigzag";
+                Megatron's / Transformer Engine's THD load balancing. Not fla's "zigzag".
+    fla-zigzag  the whole packed batch is cut into 2*cp equal intervals of T/(2*cp) tokens
+                (sequences cross them freely); CP rank r holds intervals r and 2*cp-1-r, in that
+                order. fla: build_cp_context(layout="zigzag") (its documented rule).
     SP          the CP rank's tokens are cut again into tp contiguous slices; TP rank t holds
                 slice t. Without SP every TP rank holds its CP rank's tokens (each is checked).
+
+On one sequence zigzag and fla-zigzag coincide; with several they differ, and a layer fed the
+other one fails with O(1) errors everywhere (the harness then says the layouts differ).
 
 This module imports no pytest.
 """
@@ -24,7 +32,15 @@ from linattn.checks import positive_int
 
 from ..seqlens import LAYOUTS, cu_seqlens_bounds
 
-__all__ = ["LAYOUTS", "Placement", "as_cu_seqlens", "check_fits", "default_process_groups",
+# what each layout is, in the words of the messages that name one
+LAYOUT_WORDS = {
+    "contiguous": "each CP rank one contiguous piece of the packed batch; fla's build_cp_context(layout='contiguous')",
+    "zigzag": "each sequence cut in 2*cp chunks, rank r holding chunks r and 2*cp-1-r; linattn's and Megatron's zigzag",
+    "fla-zigzag": "the whole packed batch cut in 2*cp intervals, rank r holding intervals r and 2*cp-1-r; "
+                  "fla's build_cp_context(layout='zigzag')",
+}
+
+__all__ = ["LAYOUTS", "LAYOUT_WORDS", "Placement", "as_cu_seqlens", "check_fits", "default_process_groups",
            "rank_token_index"]
 
 
@@ -65,6 +81,16 @@ class Placement:
     def __str__(self) -> str:
         return self.name
 
+    @property
+    def fla_layout(self) -> str:
+        """The `layout=` of fla's `build_cp_context` that puts tokens where this placement does:
+        "contiguous" or "zigzag" (for cp_layout "fla-zigzag"). ValueError for "zigzag" (per
+        sequence), which fla has no layout for."""
+        if self.cp_layout == "zigzag":
+            raise ValueError("Placement.cp_layout 'zigzag' cuts each sequence; fla's build_cp_context has no such "
+                             "layout (its layout='zigzag' cuts the whole batch: Placement(cp_layout='fla-zigzag'))")
+        return {"contiguous": "contiguous", "fla-zigzag": "zigzag"}[self.cp_layout]
+
 
 def default_process_groups(placement: Placement):
     """(tp_group, cp_group) of this rank from `linattn.parallel.new_groups` (None for a size of 1)."""
@@ -87,6 +113,9 @@ def check_fits(bounds: list[int], placement: Placement) -> None:
     T, cp, tp = bounds[-1], placement.cp, placement.tp
     if placement.cp_layout == "contiguous" and T % cp:
         raise ValueError(f"cu_seqlens: contiguous CP needs the total token count divisible by cp: {T} % {cp} != 0")
+    if placement.cp_layout == "fla-zigzag" and T % (2 * cp):
+        raise ValueError(f"cu_seqlens: fla-zigzag CP needs the total token count divisible by 2*cp: "
+                         f"{T} % {2 * cp} != 0")
     if placement.cp_layout == "zigzag":
         for i, (start, end) in enumerate(zip(bounds, bounds[1:])):
             if (end - start) % (2 * cp):
@@ -109,6 +138,9 @@ def rank_token_index(cu_seqlens, placement: Placement, tp_rank: int = 0, cp_rank
     if placement.cp_layout == "contiguous":
         n = bounds[-1] // cp
         index = torch.arange(cp_rank * n, (cp_rank + 1) * n)
+    elif placement.cp_layout == "fla-zigzag":
+        n = bounds[-1] // (2 * cp)
+        index = torch.cat([torch.arange(c * n, (c + 1) * n) for c in (cp_rank, 2 * cp - 1 - cp_rank)])
     else:
         pieces = [torch.zeros(0, dtype=torch.int64)]
         for start, end in zip(bounds, bounds[1:]):

@@ -13,9 +13,12 @@ ranks by pickle-by-reference) and calls `assert_sharded_parity` (one layer, seve
 or `assert_parity_cases` (any list of `ParityCase`s). Placements whose world sizes match share
 one spawn call; a world larger than tp * cp holds data-parallel replicas, each checked.
 
-Ranks (Megatron's order) and the tokens each one holds (contiguous, zigzag, SP slices): the
-docstring of `pytest_linattn.harness.placement`, which computes them itself so that a layout bug shared
-by a layer and its helpers still shows. What the ranks run: `pytest_linattn.harness.sharded_parity_rank`.
+Ranks (Megatron's order) and the tokens each one holds (contiguous, zigzag, fla-zigzag, SP
+slices): the docstring of `pytest_linattn.harness.placement`, which computes them itself so that a
+layout bug shared by a layer and its helpers still shows. What the ranks run:
+`pytest_linattn.harness.sharded_parity_rank`. A failing CP case whose ranks' outputs are the
+replicated layer's on the batch read in another layout (the layer has its own layout) says so
+first: "the layouts differ: ...".
 
 Gradient rule (the one place it is stated):
     TP-sharded parameters    each TP rank's gradient goes to the client's `unshard`, in TP rank
@@ -35,6 +38,7 @@ This module imports no pytest; the `spawn` argument is anything with spawn's cal
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
@@ -42,7 +46,8 @@ import torch
 
 from ..parity import assert_parity
 from .cases import ParityCase, ShardedLayer
-from .placement import LAYOUTS, Placement, as_cu_seqlens, default_process_groups, positive_int, rank_token_index
+from .placement import (LAYOUT_WORDS, LAYOUTS, Placement, as_cu_seqlens, check_fits, default_process_groups,
+                        positive_int, rank_token_index)
 from .sharded_parity_rank import RankCase, run_cases_on_rank
 
 __all__ = [
@@ -110,7 +115,13 @@ def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int |
     for world, indices in batches.items():
         per_rank = spawn(run_cases_on_rank, world, [RankCase.of(cases[i]) for i in indices])
         for j, i in enumerate(indices):
-            _check_case(cases[i], [r[j] for r in per_rank], references[i], bitwise_replicated)
+            try:
+                _check_case(cases[i], [r[j] for r in per_rank], references[i], bitwise_replicated)
+            except AssertionError as exc:
+                note = _layout_note(cases[i], [r[j] for r in per_rank])
+                if not note:
+                    raise
+                raise AssertionError(f"{note}\n\n{exc}") from None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -126,10 +137,15 @@ def _reference_run(case: ParityCase, runs: dict):
             p.grad = None
         x = case.x.detach().to(dtype).clone().requires_grad_()
         with torch.enable_grad():
-            y = case.reference_forward(ref, x, case.cu_seqlens) if case.reference_forward else ref(x, case.cu_seqlens)
+            y = _reference_forward(case, x)
             (y * case.dy.to(dtype)).sum().backward()
         runs[key] = (y.detach(), x.grad, {n: p.grad for n, p in ref.named_parameters()})
     return runs[key]
+
+
+def _reference_forward(case: ParityCase, x):
+    ref = case.reference
+    return case.reference_forward(ref, x, case.cu_seqlens) if case.reference_forward else ref(x, case.cu_seqlens)
 
 
 def _gather_tokens(holders, ref, case, what):
@@ -201,6 +217,45 @@ def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) 
     if failures:
         raise AssertionError(f"parity failed for case {case.name}: {len(failures)} failing check(s)\n\n"
                              + "\n\n".join(failures))
+
+
+def _layout_note(case: ParityCase, results) -> str:
+    """For a failing CP case: a line saying the layouts differ when the ranks' outputs are the
+    replicated layer's on the batch as the layer saw it in another layout that fits the packing
+    (rank r, handed this placement's tokens, took them for that layout's), else "". A layer fed
+    another layout than its own fails everywhere with O(1) errors, like any bug; this tells which."""
+    p = case.placement
+    if p.cp == 1:
+        return ""
+    bounds = [int(b) for b in case.cu_seqlens.tolist()]
+    holders = [(t, c) for c in range(p.cp) for t in (range(p.tp) if p.sequence_parallel else [0])]
+    for layout in LAYOUTS:
+        other = dataclasses.replace(p, cp_layout=layout)
+        try:
+            check_fits(bounds, other)
+        except ValueError:
+            continue
+        moves = [(rank_token_index(case.cu_seqlens, p, t, c), rank_token_index(case.cu_seqlens, other, t, c),
+                  results[t + p.tp * c][0]) for t, c in holders]
+        if layout == p.cp_layout or all(torch.equal(mine, seen) for mine, seen, _ in moves):
+            continue
+        x_seen = torch.empty_like(case.x)
+        for mine, seen, _ in moves:
+            x_seen[:, seen] = case.x[:, mine]
+        with torch.no_grad():
+            y_seen = _reference_forward(case, x_seen.to(next(case.reference.parameters()).dtype)).double()
+        y = torch.full_like(y_seen, math.nan)
+        for _, seen, piece in moves:
+            if piece is None or tuple(piece.shape) != (1, seen.numel(), *y_seen.shape[2:]):
+                return ""
+            y[:, seen] = piece.double()
+        error = float(torch.linalg.vector_norm(y - y_seen) / torch.linalg.vector_norm(y_seen))
+        if error <= case.rtol:  # NaN never passes
+            return (f"the layouts differ: the layer lays tokens out as cp_layout={layout!r} does "
+                    f"({LAYOUT_WORDS[layout]}), this placement as {p.cp_layout!r} does ({LAYOUT_WORDS[p.cp_layout]}). "
+                    f"Its outputs are the replicated layer's on the batch read in {layout!r} order (error "
+                    f"{error:.1e}): test it with Placement(cp_layout={layout!r}), or give the layer this layout")
+    return ""
 
 
 def _check_tokens(holders, ref, case, name, what) -> None:

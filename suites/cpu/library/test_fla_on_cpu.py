@@ -4,8 +4,12 @@ and gradient <= 1e-10, on packed sequences with a length-1 sequence.
 
 - fla's own GatedDeltaNet and KimiDeltaAttention (unbounded and bounded gate);
 - transformers' Qwen3NextGatedDeltaNet with fla installed (it then calls fla's kernels);
-- a context-parallel layer written on fla's CP API (build_cp_context, cp_context=) at CP 2 and 4.
+- layers written on fla's CP API (build_cp_context, cp_context=) under the sharded-parity harness,
+  against fla's replicated layer: KDA at CP 2 and 4, a head-sharded GDN at TP 2 x CP 2, in fla's
+  two layouts (contiguous, fla-zigzag); the same GDN fed the per-sequence zigzag is told so.
 """
+
+import functools
 
 import pytest
 import torch
@@ -13,7 +17,8 @@ import torch
 from layer_parity import random_state_dict, run_layer
 from linattn import kernels
 from linattn.layers import LinearAttentionConfig, build_layer, from_fla_state_dict, from_hf_state_dict, to_hf_state_dict
-from pytest_linattn import assert_parity
+from pytest_linattn import Placement, assert_parity, assert_sharded_parity
+from pytest_linattn.parity import capture_records
 
 RTOL = 1e-10
 # transformers' Qwen3-Next module casts to float32 itself (A_log.float(), a.float() in the decay
@@ -102,22 +107,49 @@ def _emulation_reached(fn, key):
 
 @pytest.mark.cp_sizes(2, 4)
 @pytest.mark.parametrize("options", [{}, {"lower_bound": -5.0, "safe_gate": True}], ids=["kda", "kda-safe_gate"])
-def test_fla_context_parallel_layer_matches_replicated(fla_on_cpu, spawn, cp_size, options):
-    from fla_clients import fla_layer, run_cp_layer
+def test_fla_context_parallel_kda_matches_replicated(fla_on_cpu, spawn, cp_size, options):
+    # fla's two CP layouts; CU_SEQLENS' sequences cross the ranks' pieces and fla-zigzag's intervals
+    from fla_clients import fla_forward, fla_kda_client, fla_layer
 
-    layer, config, state_dict = fla_layer("kda", seed=31 + cp_size, **options)
-    x, dy = _inputs(config.hidden_size, seed=32 + cp_size)
-    per_rank = spawn(run_cp_layer, cp_size, layer.state_dict(), options, x, dy, CU_SEQLENS)
+    layer, config, _ = fla_layer("kda", seed=31 + cp_size, **options)
+    placements = [Placement(cp=cp_size), Placement(cp=cp_size, cp_layout="fla-zigzag")]
+    assert_sharded_parity(spawn, fla_kda_client(**options), layer, placements, CU_SEQLENS,
+                          hidden_size=config.hidden_size, seed=32 + cp_size, rtol=RTOL, reference_forward=fla_forward,
+                          name="fla kda")
 
-    y_ref, dx_ref, grads_ref = _reference(config, state_dict, x, dy)
-    y = torch.cat([r[0] for r in per_rank], dim=1)
-    dx = torch.cat([r[1] for r in per_rank], dim=1)
-    assert_parity(y, y_ref, rtol=RTOL, name=f"fla cp{cp_size} output", cu_seqlens=CU_SEQLENS)
-    assert_parity(dx, dx_ref, rtol=RTOL, name=f"fla cp{cp_size} dx", cu_seqlens=CU_SEQLENS)
-    # parameter gradients over CP are per-rank partial sums: their sum is the replicated layer's
-    summed = {n: sum(r[2][n] for r in per_rank) for n in per_rank[0][2]}
-    summed[FLA_GATE_BIAS] = torch.zeros_like(summed[FLA_GATE_BIAS])
-    assert_parity(from_fla_state_dict(summed, config), grads_ref, rtol=RTOL, name=f"fla cp{cp_size} grad")
+
+def test_fla_head_sharded_gdn_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
+    # docs/harness.md's fla example: TP 2, CP 2 in fla's two layouts, TP 2 x CP 2, against fla's
+    # replicated GatedDeltaNet; the packing has sequences across every interval edge
+    from fla_clients import fla_forward, fla_gdn_client, fla_layer
+
+    layer, config, _ = fla_layer("gdn", seed=41)
+    cu = packed_seqlens(32, 6, cp_size=2, layout="fla-zigzag", seed=5)
+    placements = [Placement(tp=2)] + [Placement(tp=tp, cp=2, cp_layout=layout) for tp in (1, 2)
+                                      for layout in ("contiguous", "fla-zigzag")]
+    assert_sharded_parity(spawn, fla_gdn_client(), layer, placements, cu, hidden_size=config.hidden_size, seed=42,
+                          rtol=RTOL, world_size=4, reference_forward=fla_forward, name="fla gdn")
+
+
+def test_fla_layer_fed_the_wrong_layout_says_the_layouts_differ(fla_on_cpu, spawn):
+    # the trap: fla's build_cp_context(layout="zigzag") under the per-sequence zigzag placement.
+    # On one sequence the two layouts hold the same tokens and the layer passes; on two it fails
+    # everywhere, and the message says which layout the layer has.
+    from fla_clients import fla_forward, fla_gdn_client, fla_layer
+
+    layer, config, _ = fla_layer("gdn", seed=43)
+    run = functools.partial(assert_sharded_parity, spawn, fla_gdn_client(fla_layout="zigzag"), layer,
+                            [Placement(cp=2, cp_layout="zigzag")], hidden_size=config.hidden_size, seed=44,
+                            rtol=RTOL, reference_forward=fla_forward, name="fla gdn")
+    run([0, 16])
+    with capture_records(), pytest.raises(AssertionError) as info:
+        run([0, 8, 16])
+    note, report = str(info.value).split("\n\n", 1)
+    assert note.startswith("the layouts differ: the layer lays tokens out as cp_layout='fla-zigzag' does (the whole "
+                           "packed batch cut in 2*cp intervals, rank r holding intervals r and 2*cp-1-r; fla's "
+                           "build_cp_context(layout='zigzag')), this placement as 'zigzag' does (each sequence")
+    assert note.endswith("test it with Placement(cp_layout='fla-zigzag'), or give the layer this layout")
+    assert report.startswith("parity failed for case fla gdn/cp2-zigzag/seed44: 3 failing check(s)")
 
 
 def test_transformers_closure_is_restored_on_exit():

@@ -4,8 +4,9 @@ The toy: y = fc2(gelu(fc1(gain * (x_t + x_{t-1})))), x_{t-1} the previous token 
 sequence (zero at a sequence start), so under CP the first token of a rank's piece needs a halo
 from another rank. fc1 column-parallel, fc2 row-parallel, `gain` TP-replicated. The correct
 client passes every placement; planted bugs (a wrong shard, an unreduced replicated gradient, a
-dropped halo, a wrong unshard) fail with messages that name what broke. The token layout is
-checked against hand-written examples, and bad input raises ValueError before any rank runs.
+dropped halo, a wrong unshard, a layer with its own CP layout) fail with messages that name what
+broke. The token layout is checked against hand-written examples, and bad input raises ValueError
+before any rank runs.
 """
 
 import functools
@@ -63,6 +64,8 @@ class ToyMixer(nn.Module):
     def _previous_tokens(self, x, cu_seqlens):
         """x_{t-1} of each of this CP rank's tokens (the library's layout), zero at sequence starts."""
         cu, cp, layout = cu_seqlens.cpu(), self.placement.cp, self.placement.cp_layout
+        if self.bug == "contiguous_only":  # a layer with its own layout, whatever the placement says
+            layout = "contiguous"
         mine = cp_token_index(cu, group_rank(self.cp_group), cp, layout)
         if self.bug == "no_halo":  # only the tokens this rank holds
             held, tokens = mine, x
@@ -187,6 +190,24 @@ def test_failure_names_the_ranks_holding_the_worst_token(spawn, placement):
         assert bool(tp_rank) == placement.sequence_parallel
 
 
+def test_layer_with_another_layout_is_told_the_layouts_differ(spawn):
+    zigzag = [Placement(cp=2, cp_layout="zigzag")]
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("contiguous_only"), toy_reference(), zigzag, CU_ZIGZAG,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    note, report = str(info.value).split("\n\n", 1)
+    assert note.startswith("the layouts differ: the layer lays tokens out as cp_layout='contiguous' does")
+    assert "this placement as 'zigzag' does (each sequence cut in 2*cp chunks" in note
+    assert note.endswith("test it with Placement(cp_layout='contiguous'), or give the layer this layout")
+    assert report.startswith("parity failed for case toy/cp2-zigzag/seed1: 3 failing check(s)")
+    # a layer that follows the placement but drops its halo passes contiguously on CU_ZIGZAG (the
+    # edge is a sequence boundary there): still a bug of its own, not a layout
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("no_halo"), toy_reference(), zigzag, CU_ZIGZAG,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    assert str(info.value).startswith("parity failed for case toy/cp2-zigzag/seed1")
+
+
 def test_parameter_gradient_located_by_the_client(spawn):
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, toy_client("reversed"), toy_reference(), [Placement(tp=2)], CU,
@@ -247,12 +268,33 @@ def test_token_layout_matches_the_documented_definition():
     assert _tokens(CU_ZIGZAG, sp, 1, 1) == [10, 11, 12, 13]
     # without SP every TP rank holds its CP rank's tokens
     assert _tokens(CU, Placement(tp=2, cp=2), 1, 1) == list(range(8, 16))
+    # fla's zigzag cuts the whole batch, not each sequence: 4 intervals of 4 over [0, 8, 16]
+    fla = Placement(cp=2, cp_layout="fla-zigzag")
+    assert _tokens(CU_ZIGZAG, fla, cp_rank=0) == [0, 1, 2, 3, 12, 13, 14, 15]
+    assert _tokens(CU_ZIGZAG, fla, cp_rank=1) == [4, 5, 6, 7, 8, 9, 10, 11]
+    # sequences of any length: CU's 3-token and 1-token sequences cross intervals of 2 at cp 4
+    assert [_tokens(CU, Placement(cp=4, cp_layout="fla-zigzag"), cp_rank=r) for r in range(4)] == [
+        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
+    # on one sequence fla's zigzag is the per-sequence zigzag
+    assert all(_tokens([0, 16], Placement(cp=4, cp_layout="fla-zigzag"), cp_rank=r) ==
+               _tokens([0, 16], Placement(cp=4, cp_layout="zigzag"), cp_rank=r) for r in range(4))
+    sp = Placement(tp=2, cp=2, cp_layout="fla-zigzag", sequence_parallel=True)
+    assert _tokens(CU, sp, 1, 0) == [12, 13, 14, 15]
+
+
+def test_fla_layout_names_the_build_cp_context_layout():
+    assert Placement(cp=2).fla_layout == "contiguous"
+    assert Placement(cp=2, cp_layout="fla-zigzag").fla_layout == "zigzag"
+    with pytest.raises(ValueError, match=r"Placement.cp_layout 'zigzag' cuts each sequence; fla's build_cp_context "
+                                         r"has no such layout .*Placement\(cp_layout='fla-zigzag'\)"):
+        Placement(cp=2, cp_layout="zigzag").fla_layout  # noqa: B018
 
 
 def test_placement_names():
     assert Placement().name == "replicated"
     assert Placement(tp=4).name == "tp4"
     assert Placement(tp=2, cp=2, cp_layout="zigzag", sequence_parallel=True).name == "tp2-sp/cp2-zigzag"
+    assert Placement(cp=2, cp_layout="fla-zigzag").name == "cp2-fla-zigzag"
     assert str(Placement(cp=4)) == "cp4-contiguous"
 
 
@@ -274,7 +316,8 @@ def build_lambda_free(placement, groups, dtype, device):
 
 @pytest.mark.parametrize("make, rule", [
     (lambda: Placement(tp=0), r"Placement.tp must be a positive int, got 0"),
-    (lambda: Placement(cp=2, cp_layout="ring"), r"Placement.cp_layout must be one of \('contiguous', 'zigzag'\)"),
+    (lambda: Placement(cp=2, cp_layout="ring"),
+     r"Placement.cp_layout must be one of \('contiguous', 'zigzag', 'fla-zigzag'\)"),
     (lambda: Placement(sequence_parallel=True), r"Placement.sequence_parallel needs tp > 1"),
     (lambda: ShardedLayer(build=lambda *a: None, shard=shard_toy, unshard=unshard_toy),
      r"ShardedLayer's callables must be module-level"),
@@ -285,6 +328,9 @@ def build_lambda_free(placement, groups, dtype, device):
     (lambda: ParityCase(toy_client(), Placement(cp=2, cp_layout="zigzag"), toy_reference(), CU, *_inputs(CU),
                         rtol=RTOL),
      r"cu_seqlens: zigzag CP needs every sequence length divisible by 2\*cp=4; sequence 0 has 3 tokens"),
+    (lambda: ParityCase(toy_client(), Placement(cp=4, cp_layout="fla-zigzag"), toy_reference(), [0, 3, 12],
+                        *_inputs([0, 3, 12]), rtol=RTOL),
+     r"cu_seqlens: fla-zigzag CP needs the total token count divisible by 2\*cp: 12 % 8 != 0"),
     (lambda: ParityCase(toy_client(), Placement(tp=4, cp=2, sequence_parallel=True), toy_reference(), [0, 4, 12],
                         *_inputs([0, 4, 12]), rtol=RTOL),
      r"cu_seqlens: sequence parallel needs each CP rank's token count divisible by tp: 6 % 4 != 0"),

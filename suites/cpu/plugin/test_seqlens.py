@@ -62,6 +62,18 @@ def test_zigzag_lengths_divisible(cp, seed):
     assert d["min_len"] >= 2 * cp * -(-3 // (2 * cp))  # min_len rounds up
 
 
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("cp", [2, 4])
+def test_fla_zigzag_crosses_the_intervals(cp, seed):
+    # fla's whole-batch zigzag: the contiguous coverage over its 2*cp intervals
+    cu = packed_seqlens(16 * cp, 2 * cp + 3, seed=seed, cp_size=cp, layout="fla-zigzag")
+    _check_basic(cu, 16 * cp)
+    d = describe(cu, cp, "fla-zigzag")
+    assert d == describe(cu, 2 * cp) and d["num_seqs"] == 2 * cp + 3
+    assert d["boundary_on_shard_edge"] and d["boundary_inside_shard"] and d["has_length_one"]
+    assert d["max_shards_spanned"] >= 3
+
+
 def test_min_len_respected_and_tight_counts():
     cu = packed_seqlens(128, 10, seed=1, cp_size=4, min_len=4)
     assert describe(cu, 4)["min_len"] >= 4
@@ -80,6 +92,7 @@ def test_describe_by_hand():
 @pytest.mark.parametrize("kwargs, param", [
     (dict(total_tokens=30, cp_size=4), "total_tokens"),
     (dict(total_tokens=20, cp_size=4, layout="zigzag"), "total_tokens"),
+    (dict(total_tokens=12, cp_size=4, layout="fla-zigzag"), "total_tokens"),
     (dict(total_tokens=0), "total_tokens"),
     (dict(total_tokens=64, num_seqs=0), "num_seqs"),
     (dict(total_tokens=64, num_seqs=17, min_len=4), "num_seqs"),
