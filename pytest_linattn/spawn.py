@@ -1,6 +1,7 @@
 """The `spawn` fixture's callable: a call on several ranks (pytest_linattn.ranks.dispatch) with
 pytest's outcomes: too few GPUs skips the test, a rank's failure fails it with every rank's
-report, and under torchrun a failure that breaks the process group stops the session."""
+report, and under torchrun a failure after which a rank is gone stops the session (the summary
+then lists the tests that did not run)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import sys
 import pytest
 
 from .ranks import dispatch, pool
-from .ranks.launcher import BrokenGroup
+from .ranks.reports import BrokenGroup
 
 
 class Spawn:
@@ -30,13 +31,40 @@ class Spawn:
             pytest.skip(f"spawn(world_size={world_size}): {exc}")
         except pool.RankFailure as exc:
             if isinstance(exc, BrokenGroup) and self._launcher is not None and self._item is not None:
-                # A collective was left half done: every later distributed test would fail or
-                # hang on this group, so the session stops after this test, on every rank.
-                self._item.session.shouldfail = (
-                    f"linattn: the process group is broken after a failure in "
-                    f"{self._item.nodeid}; the session stops (see that test's report)")
+                _stop_session(self._item)
             # Re-raised here so the report ends at the test's call, not inside the pool.
             raise type(exc)(str(exc)) from None
+
+
+def _stop_session(item) -> None:
+    # A rank is gone, so no process group can be made: every later distributed test would fail
+    # or hang, so the session stops after this test, on every rank, and says what did not run.
+    session = item.session
+    session.shouldfail = (f"linattn: a rank is gone after a failure in {item.nodeid}; the session "
+                          f"stops (see that test's report)")
+    manager = item.config.pluginmanager
+    if manager.has_plugin(_NotRun.name):
+        return
+    items = list(getattr(session, "items", []))
+    rest = items[items.index(item) + 1:] if item in items else []
+    manager.register(_NotRun(item.nodeid, [i.nodeid for i in rest]), _NotRun.name)
+
+
+class _NotRun:
+    """The terminal summary's list of the tests a stopped session did not run."""
+
+    name = "linattn-not-run"
+
+    def __init__(self, after: str, nodeids: list[str]):
+        self.after, self.nodeids = after, nodeids
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.nodeids:
+            return
+        terminalreporter.write_sep("=", f"linattn: {len(self.nodeids)} test(s) not run: a rank was "
+                                        f"gone after {self.after}")
+        for nodeid in self.nodeids:
+            terminalreporter.write_line(f"NOT RUN {nodeid}")
 
 
 def _active_fla_emulation():

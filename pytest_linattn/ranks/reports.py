@@ -15,8 +15,9 @@ import time
 
 from .worker import trim_stack
 
-__all__ = ["FAILURE_GRACE", "RankFailure", "RankTimeout", "call_name", "describe_ranks", "dump_sizes",
-           "dump_stacks", "indent", "launcher_abort", "pool_failure", "raised_lines", "read_dump"]
+__all__ = ["FAILURE_GRACE", "BrokenGroup", "BrokenTimeout", "RankFailure", "RankTimeout", "call_name",
+           "describe_ranks", "dump_sizes", "dump_stacks", "indent", "launcher_abort", "pool_failure",
+           "raised_lines", "read_dump"]
 
 # After the first rank fails, the others get this long to report before they are killed: a rank
 # blocked in a collective with a rank that raised would otherwise wait for the full timeout.
@@ -30,6 +31,15 @@ class RankFailure(Exception):
 
 class RankTimeout(RankFailure):
     """A distributed call ran past its timeout; the message holds every rank's Python stack."""
+
+
+class BrokenGroup(RankFailure):
+    """Under torchrun: a call failed and a rank is gone (exited, killed, or stuck where it could
+    not be freed), so no new process group can be made: the session must stop."""
+
+
+class BrokenTimeout(BrokenGroup, RankTimeout):
+    """A call that timed out, after which a rank is gone: every rank's stack is in the message."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -52,11 +62,13 @@ def indent(text: str, prefix: str = "    ") -> str:
     return "".join(prefix + line for line in text.rstrip().splitlines(True))
 
 
-def raised_lines(errors: dict[int, str]) -> list[str]:
-    """One block per rank that raised: a header and its indented traceback."""
+def raised_lines(errors: dict[int, str], places: dict[int, str] | None = None) -> list[str]:
+    """One block per rank that raised: a header and its indented traceback. places: rank -> where
+    it runs (" (node 1 = host, local rank 1)"), for a world of several nodes."""
+    places = places or {}
     lines = []
     for r in sorted(errors):
-        lines.append(f"--- rank {r} raised:")
+        lines.append(f"--- rank {r}{places.get(r, '')} raised:")
         lines.append(indent(errors[r]))
     return lines
 
@@ -163,17 +175,19 @@ def pool_failure(what: str, timeout: float, world_size: int, pids: list, *, pend
 
 
 def launcher_abort(what: str, reason: str, *, silent: set, errors: dict[int, str],
-                   stacks: dict[int, str], tests: set) -> str:
+                   stacks: dict[int, str], tests: set, places: dict[int, str] | None = None) -> str:
     """silent: the ranks that posted nothing; errors: rank -> the traceback it posted before the
-    abort; stacks: rank -> the stack of a rank that had not returned; tests: the ranks' tests."""
-    lines = [f"{what}: {reason}. The process group is broken: the session stops after this test."]
+    abort; stacks: rank -> the stack of a rank that had not returned; tests: the ranks' tests;
+    places: rank -> where it runs, as in raised_lines. What became of the group comes after."""
+    places = places or {}
+    lines = [f"{what}: {reason}."]
     # A rank that died comes first: the others' errors are usually its consequence.
     for r in sorted(silent):
-        lines.append(f"--- rank {r} sent nothing: it died (torchrun's log gives its exit "
-                     f"code) or is stuck outside Python")
-    lines += raised_lines(errors)
+        lines.append(f"--- rank {r}{places.get(r, '')} sent nothing: it died (torchrun's log gives "
+                     f"its exit code) or is stuck outside Python")
+    lines += raised_lines(errors, places)
     for r in sorted(stacks):
-        lines.append(f"--- rank {r} stack at the abort (it had not returned):")
+        lines.append(f"--- rank {r}{places.get(r, '')} stack at the abort (it had not returned):")
         lines.append(indent(stacks[r]))
     if len(tests) > 1:
         lines.append(f"The ranks were in different tests ({', '.join(sorted(tests))}): every "

@@ -1,26 +1,32 @@
-"""Launcher mode: pytest itself under a real torchrun (2 ranks, gloo on the CPU).
+"""Launcher mode: pytest itself under a real torchrun (gloo on the CPU, loopback).
 
-A failure that leaves a collective half done breaks the process group and ends the session, so
-each such fault needs its own torchrun run: four runs, one after another, each with a hard timeout.
+A failed call no longer ends the session: the ranks make a new process group and the next test
+runs; only a rank that is gone ends it. So one torchrun session holds every fault, each followed
+by a test that must pass, and ends with the fault that ends it: one node of 2 ranks, then two
+nodes of 2 ranks (two torchrun agents on this machine), one run after another, each with a hard
+timeout.
 """
 from __future__ import annotations
 
 import os
-import re
+import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
-from test_plugin_spawn import _no_leftovers
+from test_plugin_spawn import _durations, _no_leftovers, _outcomes
 
 pytest_plugins = ["pytester"]
+
+SUITES = Path(__file__).resolve().parents[2]
 
 LAUNCHED_TESTS = r'''
 import os, time
 import pytest
 import torch
 import torch.distributed as dist
-from pytest_linattn.ranks import launcher
+from pytest_linattn.ranks import launcher_watchdog
 from pytest_linattn.ranks.pool import RankFailure
 
 
@@ -77,81 +83,207 @@ def test_sized(spawn, tp_size):
     assert len(spawn(info, tp_size, 1)) == 2
 
 
-def test_fault(spawn):
-    fault = os.environ["FAULT"]
+# Each fault, then a test on the same session that must pass; a rank that exits ends it.
+@pytest.mark.parametrize("step", ["raise", "raise:next", "raise_late_watchdog", "raise_late_watchdog:next",
+                                  "hang", "hang:next", "exit", "exit:next"])
+def test_fault(spawn, step, monkeypatch):
+    fault, _, then = step.partition(":")
+    if then:
+        assert spawn(info, 2, 1)[1][2].item() == 2
+        return
     if fault == "raise_late_watchdog" and dist.get_rank() == 0:
         # rank 0's watchdog looks every 1.5 s: rank 1's abort frees rank 0's barrier (closed
         # connection) before rank 0's watchdog has seen it, as on a loaded two-core machine
-        launcher._WATCH = 1.5
+        monkeypatch.setattr(launcher_watchdog, "WATCH", 1.5)
+    if fault == "hang":
+        spawn.timeout = 4  # the others run at 120 s, which they must not wait for
     fn = {"raise": raise_in_collective, "raise_late_watchdog": raise_in_collective, "exit": exit_on_one,
           "hang": hang_on_zero}[fault]
     spawn(fn, 2)
 
 
-def test_after_the_fault(spawn):
+def test_last(spawn):
     spawn(info, 2, 1)
 '''
 
 
-def _torchrun(path, fault, timeout_s, tag):
-    env = {**os.environ, "FAULT": fault, "LINATTN_LEAK_TAG": tag}
+def _env(tag):
+    env = {**os.environ, "LINATTN_LEAK_TAG": tag, "GLOO_SOCKET_IFNAME": "lo"}
     env.pop("PYTEST_ADDOPTS", None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "pytest", "-p", "pytest_linattn", "--linattn-device", "cpu", "-p", "no:randomly",
-           "-p", "no:cacheprovider", "--tp", "2,4,3", "--linattn-timeout", str(timeout_s),
-           "test_launched.py"]
-    return subprocess.Popen(cmd, cwd=path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return env
 
 
-def _session_seconds(text: str) -> float:
-    return float(re.findall(r" in ([\d.]+)s", text)[-1])
+PYTEST = ["-m", "pytest", "-p", "pytest_linattn", "--linattn-device", "cpu", "-p", "no:randomly",
+          "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml=junit.xml"]
+
+
+def _finish(procs, timeout) -> list[str]:
+    """Every process's output; a process still running after `timeout` is killed with its group."""
+    texts = []
+    try:
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            texts.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return texts
 
 
 def test_faults_under_torchrun(pytester):
     pytester.makepyfile(test_launched=LAUNCHED_TESTS)
     tag = f"launcher-{os.getpid()}-{time.monotonic_ns()}"
-    # The hang uses a short timeout; raise and exit a long one, which they must not wait for.
-    # One torchrun at a time: three side by side (six ranks and three agents on a two-core CI
-    # machine) let torchrun's agent stop rank 0 before it had reported.
-    runs, texts = {}, {}
-    try:
-        for fault, timeout_s in (("raise", 120), ("raise_late_watchdog", 120), ("exit", 120), ("hang", 4)):
-            runs[fault] = proc = _torchrun(pytester.path, fault, timeout_s, tag)
-            out, _ = proc.communicate(timeout=240)
-            texts[fault] = out.decode(errors="replace")
-    finally:
-        for proc in runs.values():
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-    for fault, text in texts.items():
-        # pytest shows a failed test's captured output whole (an assertion's message it cuts)
-        print(f"===== torchrun output, fault {fault!r}, exit code {runs[fault].returncode} =====\n{text}")
-    for fault, text in texts.items():
-        assert runs[fault].returncode != 0, text
-        # One report: rank 1 runs quietly; the fault's test fails, the session stops after it.
-        assert text.count("test session starts") == 1, text
-        assert "1 failed, 4 passed, 1 deselected in" in text, text
-        assert "the process group is broken after a failure in test_launched.py::test_fault" in text
-        # Sizes that do not fit WORLD_SIZE are deselected, with the reason; unsupported ones named.
-        assert "tp_size x cp_size = WORLD_SIZE=2: test_launched.py::test_sized[tp4]" in text
-        assert "test_launched.py::test_sized: not run at tp 3 asked for; the test supports tp 2, 4" in text
-    # The same report whichever rank's watchdog saw the abort first (before the fix, a rank 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST,
+           "--tp", "2,4,3", "--linattn-timeout", "120", "test_launched.py"]
+    proc = subprocess.Popen(cmd, cwd=pytester.path, env=_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    [text] = _finish([proc], 300)
+    # pytest shows a failed test's captured output whole (an assertion's message it cuts)
+    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
+    assert proc.returncode != 0, text
+    # One report (rank 1 runs quietly); after each fault the next test passes; the exit ends it.
+    assert text.count("test session starts") == 1, text
+    assert "4 failed, 7 passed, 1 deselected in" in text, text
+    outcomes = _outcomes(pytester.path / "junit.xml")
+    for fault in ("raise", "raise_late_watchdog", "hang", "exit"):
+        assert outcomes[f"test_fault[{fault}]"] == "failed", outcomes
+    for fault in ("raise", "raise_late_watchdog", "hang"):
+        assert outcomes[f"test_fault[{fault}:next]"] == "passed", outcomes
+    # Sizes that do not fit WORLD_SIZE are deselected, with the reason; unsupported ones named.
+    assert "tp_size x cp_size = WORLD_SIZE=2: test_launched.py::test_sized[tp4]" in text
+    assert "test_launched.py::test_sized: not run at tp 3 asked for; the test supports tp 2, 4" in text
+    reports = _reports(text)
+    # The same report whichever rank's watchdog saw the abort first (before that fix, a rank 0
     # freed before its watchdog looked reported "ranks 0, 1 failed" with no reason)
-    for raised in (texts["raise"], texts["raise_late_watchdog"]):
+    for fault in ("raise", "raise_late_watchdog"):
+        raised = reports[fault]
         assert "raise_in_collective(...) on 2 ranks" in raised
         assert "rank 1 raised and rank 0 had not answered 2 s later" in raised
         assert "ValueError: rank one is unhappy" in raised and "in raise_in_collective" in raised
         assert "rank 0 stack at the abort (it had not returned)" in raised and "in barrier" in raised
-        assert _session_seconds(raised) < 60, raised
-    exited = texts["exit"]
-    # The death first, then the survivor's consequence.
-    assert exited.index("rank 1 sent nothing: it died") < exited.index("--- rank 0 raised"), exited
-    assert _session_seconds(exited) < 60, exited
-    hung = texts["hang"]
-    assert "hang_on_zero(...) on 2 ranks (launcher mode, call 5): timed out after 4 s" in hung
+        assert "a new process group replaced the old one, and the session goes on" in raised
+    hung = reports["hang"]
+    assert "hang_on_zero(...) on 2 ranks (launcher mode, call 9): timed out after 4 s" in hung
     assert "rank 0 stack at the abort" in hung and "rank 1 stack at the abort" in hung
     assert "time.sleep(600)" in hung and "in barrier" in hung
-    assert _session_seconds(hung) < 4 + 10 + 15, hung  # timeout + 10 s, plus the session's start
+    assert "a new process group replaced the old one" in hung
+    exited = reports["exit"]
+    # The death first, then the survivor's consequence; then the session's end, and what it left.
+    assert exited.index("rank 1 sent nothing: it died") < exited.index("--- rank 0 raised"), exited
+    assert ("No new process group can be made without every rank: rank 0: its launcher sent SIGTERM: "
+            "a rank on its node exited") in exited
+    assert "linattn: a rank is gone after a failure in test_launched.py::test_fault[exit]" in text
+    assert "linattn: 2 test(s) not run: a rank was gone after test_launched.py::test_fault[exit]" in text
+    assert "NOT RUN test_launched.py::test_fault[exit:next]" in text
+    assert "NOT RUN test_launched.py::test_last" in text
+    durations = _durations(pytester.path / "junit.xml")
+    print("durations:", durations)
+    for fault in ("raise", "raise_late_watchdog", "exit"):
+        assert durations[f"test_fault[{fault}]"] < 40, durations  # not the 120 s timeout
+    assert durations["test_fault[hang]"] < 4 + 10 + 10, durations  # timeout + 10 s, with load
+    assert not _no_leftovers(tag), "a rank outlived its torchrun"
+
+
+def _reports(text: str) -> dict[str, str]:
+    """Each failed test_fault[...]'s report, from pytest's FAILURES section."""
+    blocks = text.split("_ test_fault[")[1:]
+    return {block.split("]", 1)[0]: block for block in blocks}
+
+
+TWO_NODE_TESTS = r'''
+import os, signal, sys
+import pytest
+import torch.distributed as dist
+
+sys.path[:0] = [os.environ["LINATTN_SUITES"], os.path.join(os.environ["LINATTN_SUITES"], "cpu", "library")]
+# The cpu suite's TP x CP = 2 x 2 parity test (every layer family), collected here: it runs first.
+from test_layers_cp import test_tp_cp_layer_matches_replicated  # noqa: E402,F401
+
+
+def on_node_one():  # node 1's second rank: global rank 3
+    return os.environ["GROUP_RANK"] == "1" and os.environ["LOCAL_RANK"] == "1"
+
+
+def raise_on_node_one():
+    if on_node_one():
+        raise ValueError("node one is unhappy")
+    dist.barrier()
+
+
+def kill_on_node_one():
+    if on_node_one():
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def node():
+    return int(os.environ["GROUP_RANK"])
+
+
+@pytest.mark.parametrize("step", ["raise", "raise:next", "kill", "kill:next"])
+def test_node_one(spawn, step):
+    fault, _, then = step.partition(":")
+    if then:
+        assert spawn(node, 4) == [0, 0, 1, 1]
+        return
+    spawn({"raise": raise_on_node_one, "kill": kill_on_node_one}[fault], 4)
+'''
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_nodes(pytester):
+    # Two torchrun agents on this machine, two ranks each, over loopback: node 0's agent (started
+    # first, so the rendezvous makes it node 0) hosts the rendezvous; node 1 joins it.
+    pytester.makepyfile(test_two_nodes=TWO_NODE_TESTS)
+    tag = f"two-nodes-{os.getpid()}-{time.monotonic_ns()}"
+    port = _free_port()
+    env = {**_env(tag), "LINATTN_SUITES": str(SUITES)}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
+               "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1", *PYTEST,
+               "--tp", "2", "--cp", "2", "--linattn-timeout", "60", "test_two_nodes.py"]
+        procs.append(subprocess.Popen(cmd, cwd=pytester.path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT, start_new_session=True))
+        time.sleep(0.5 if node == 0 else 0)
+    texts = _finish(procs, 400)
+    for node, (proc, text) in enumerate(zip(procs, texts)):
+        print(f"===== node {node}'s torchrun, exit code {proc.returncode} =====\n{text}")
+    node0, node1 = texts
+    # One report, from global rank 0 on node 0; node 1's ranks run quietly.
+    assert node0.count("test session starts") == 1 and "test session starts" not in node1, \
+        "the agent started first was not node 0"
+    assert all(proc.returncode != 0 for proc in procs)
+    outcomes = _outcomes(pytester.path / "junit.xml")
+    parity = {name: o for name, o in outcomes.items() if name.startswith("test_tp_cp_layer")}
+    assert len(parity) == 3 and set(parity.values()) == {"passed"}, outcomes
+    assert outcomes["test_node_one[raise]"] == "failed" and outcomes["test_node_one[raise:next]"] == "passed"
+    assert outcomes["test_node_one[kill]"] == "failed" and "test_node_one[kill:next]" not in outcomes
+    assert "2 failed, 4 passed" in node0, node0
+    reports = {block.split("]", 1)[0]: block for block in node0.split("_ test_node_one[")[1:]}
+    host = socket.gethostname()
+    # A rank on node 1 raises: reported once, with its node, and the session goes on.
+    raised = reports["raise"]
+    assert "raise_on_node_one(...) on 4 ranks" in raised
+    assert f"--- rank 3 (node 1 = {host}, local rank 1) raised:" in raised, raised
+    assert "ValueError: node one is unhappy" in raised
+    assert (node0 + node1).count("ValueError: node one is unhappy") == 1
+    assert "a new process group replaced the old one, and the session goes on" in raised
+    # A rank on node 1 is killed: the session ends, with the report on node 0.
+    killed = reports["kill"]
+    assert f"--- rank 3 (node 1 = {host}, local rank 1) sent nothing: it died" in killed, killed
+    assert "No new process group can be made without every rank" in killed, killed
+    assert "NOT RUN test_two_nodes.py::test_node_one[kill:next]" in node0
+    durations = _durations(pytester.path / "junit.xml")
+    print("durations:", durations)
+    assert durations["test_node_one[raise]"] < 40 and durations["test_node_one[kill]"] < 40, durations
     assert not _no_leftovers(tag), "a rank outlived its torchrun"
