@@ -46,6 +46,7 @@ import pytest
 
 from . import options as _opts
 from . import size_selection
+from .fla_hint import FlaOnCpuReport
 from .parity_records import ParityRecorder
 from .size_selection import SIZE_FIXTURES
 
@@ -140,6 +141,7 @@ def pytest_configure(config):
         config.addinivalue_line("markers", line)
     state = config.stash[_STATE] = _State(config)
     config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
+    config.pluginmanager.register(FlaOnCpuReport(), "linattn-fla-on-cpu-report")  # header line; Triton's CPU error
     if state.is_worker and "OMP_NUM_THREADS" not in os.environ:
         # xdist's workers share the cores, as a pool's ranks do
         import torch

@@ -64,3 +64,69 @@ def test_bad_value_names_the_option(pytester):
     result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-fla-on-cpu=maybe")
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*--linattn-fla-on-cpu*expected on or off*maybe*"])
+
+
+# fla's Triton kernel reached on a CPU without the emulation: in the test process and on a rank
+WITHOUT_EMULATION = r'''
+import pytest
+import torch
+
+
+def call_chunk_kda():
+    from fla.ops.kda import chunk_kda
+
+    x = torch.randn(1, 8, 2, 8)
+    return chunk_kda(x, x, x, torch.randn(1, 8, 2, 8).sigmoid().log(), torch.rand(1, 8, 2))
+
+
+def test_in_the_test_process():
+    call_chunk_kda()
+
+
+def test_on_a_rank(spawn):
+    spawn(call_chunk_kda, 2)
+
+
+def test_other_errors_keep_their_report():
+    raise RuntimeError("0 active drivers ([]). There should only be one.")  # no fla frame: not fla's
+'''
+HINT = ("fla's Triton kernels cannot run on a CPU (Triton finds no GPU driver), reached through "
+        "fla.ops.kda.chunk.chunk_kda: run fla's ops emulated on linattn's float64 references with the fla_on_cpu "
+        "fixture, or --linattn-fla-on-cpu (ini linattn_fla_on_cpu = on) for every test (docs/fla-on-cpu.md)")
+
+
+def test_fla_kernel_on_a_cpu_fails_with_one_line_naming_the_emulation(pytester):
+    pytester.makepyfile(test_inner=WITHOUT_EMULATION)
+    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-p", "no:cacheprovider", "-rf",
+                                           "--linattn-device", "cpu")
+    result.assert_outcomes(failed=3)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(["linattn fla-on-cpu: off (fla's ops are emulated only in tests using the "
+                                 "fla_on_cpu fixture; --linattn-fla-on-cpu for every test)"])
+    for test in ("test_in_the_test_process", "test_on_a_rank"):
+        section = out.split(f"_ {test} _", 1)[1].split("\n", 1)[1]  # after the test's header line
+        first, after = section.split("\n")[:2]
+        assert first == HINT and after[:1] in "_-=", section  # the report is that line; then the next section
+        assert f"FAILED test_inner.py::{test} - fla's Triton kernels cannot" in out  # -ra's line, cut to width
+    assert out.count("There should only be one.") == 2  # the last test's own raise and its summary line
+
+
+def test_header_says_the_emulation_is_on(pytester):
+    pytester.makepyfile(test_inner="def test_nothing():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-p", "no:cacheprovider", "--linattn-fla-on-cpu")
+    result.stdout.fnmatch_lines(["linattn fla-on-cpu: on, in every test and rank (--linattn-fla-on-cpu): "
+                                 "fla's ops run on linattn's references"])
+
+
+def test_under_the_emulation_the_line_says_the_call_is_not_emulated():
+    from pytest_linattn.fla_hint import triton_on_cpu_line
+
+    text = ('  File "/venv/fla/backends.py", line 200, in wrapper\n'
+            '  File "/venv/fla/ops/utils/cumsum.py", line 9, in chunk_local_cumsum\n'
+            '  File "/venv/triton/runtime/driver.py", line 20, in _create_driver\n'
+            'RuntimeError: 0 active drivers ([]). There should only be one.\n')
+    assert triton_on_cpu_line(text, emulated=True) == (
+        "fla's Triton kernels cannot run on a CPU (Triton finds no GPU driver), and fla.ops.utils.cumsum."
+        "chunk_local_cumsum reached one while fla_on_cpu was on: the emulation does not cover that call "
+        "(docs/fla-on-cpu.md lists what it covers)")
+    assert triton_on_cpu_line(text.replace("0 active", "1 active"), emulated=False) is None
