@@ -10,6 +10,7 @@ and its relative error against k x G. Kimi Linear has no such parameter (its pla
 the MLPs / experts), so it prints none.
 """
 
+import fnmatch
 import os
 import sys
 import tempfile
@@ -21,6 +22,12 @@ import torch.distributed as dist
 
 from transformers_tp.checkpoints import MODELS, write_checkpoint
 from transformers_tp.client import load
+
+
+def _style(plan: dict, parameter: str):
+    """The plan style of `parameter`'s module (plan keys are module patterns, `*` for a layer number)."""
+    module = parameter.rsplit(".", 1)[0]
+    return next((style for pattern, style in plan.items() if fnmatch.fnmatchcase(module, pattern)), None)
 
 
 def main():
@@ -36,10 +43,7 @@ def main():
             write_checkpoint(model, path)
         dist.barrier()
         ref, tp = load(path), load(path, tp_size=dist.get_world_size())
-        style = tp.tp_plan
-        from transformers.distributed.tensor_parallel import _get_parameter_tp_plan
-
-        names = [n for n, _ in tp.named_parameters() if _get_parameter_tp_plan(n, style) == "replicated_with_grad_allreduce"]
+        names = [n for n, _ in tp.named_parameters() if _style(tp.tp_plan, n) == "replicated_with_grad_allreduce"]
         (ref(inputs_embeds=x, use_cache=False).logits * dy).sum().backward()
         G = {n: p.grad.clone() for n, p in ref.named_parameters() if n in names}
         tp_params = dict(tp.named_parameters())

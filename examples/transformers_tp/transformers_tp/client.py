@@ -28,7 +28,7 @@ from transformers.distributed.configuration_utils import DistributedConfig
 
 from pytest_linattn import ShardedLayer
 
-__all__ = ["build", "fla_mode", "forward", "load", "parameter_placements", "process_groups", "reference_forward",
+__all__ = ["adamw", "build", "fla_mode", "forward", "load", "parameter_placements", "process_groups", "reference_forward",
            "transformers_tp_layer", "unshard"]
 
 
@@ -84,6 +84,17 @@ def unshard(local_grads, placement):
     """TP rank 0's dict: the harness converts DTensor gradients with `.full_tensor()` on the rank,
     and the names are the reference's (both models come from one checkpoint)."""
     return dict(local_grads[0])
+
+
+def adamw(params):
+    """The training step's optimizer: the harness's default AdamW(lr=1e-2, weight_decay=0.1) with eps=1e-4
+    instead of 1e-8. AdamW's first step moves a weight by lr * g / (|g| + eps): where |g| is near eps it
+    multiplies a gradient difference by up to lr / (4 eps). These models compute parts in float32 whatever
+    the dtype (q_norm / k_norm, the gated norms, KDA's gate), so TP and the reference differ by about 1e-9
+    absolute in a gradient; with eps=1e-8, one element of Kimi Linear's v_proj gradient of 2.3e-8 turned
+    that into a 2.8e-4 weight difference (4.3e-5 relative, layer 0, fla emulated). With 1e-4 the gain is at
+    most 25, every weight still moves by up to lr, and a wrong gradient (an O(1) error) still shows."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
 
 
 def parameter_placements(checkpoint: str) -> dict:
