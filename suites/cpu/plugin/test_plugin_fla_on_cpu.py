@@ -130,3 +130,18 @@ def test_under_the_emulation_the_line_says_the_call_is_not_emulated():
         "chunk_local_cumsum reached one while fla_on_cpu was on: the emulation does not cover that call "
         "(docs/fla-on-cpu.md lists what it covers)")
     assert triton_on_cpu_line(text.replace("0 active", "1 active"), emulated=False) is None
+
+
+def test_the_fla_cpu_extra_installs_what_the_emulation_needs():
+    # fla imports triton and einops when imported, on a CPU too; neither fla package pulls triton
+    import re
+    import tomllib
+    from pathlib import Path
+
+    from linattn.emulation import FLA_VERSION
+
+    pyproject = Path(__file__).resolve().parents[3] / "pyproject.toml"
+    extra = tomllib.loads(pyproject.read_text())["project"]["optional-dependencies"]["fla-cpu"]
+    assert {re.split(r"[=<>!~\[; ]", r)[0] for r in extra} >= {"flash-linear-attention", "fla-core", "triton",
+                                                              "einops"}
+    assert {f"flash-linear-attention=={FLA_VERSION}", f"fla-core=={FLA_VERSION}"} <= set(extra)  # the one checked
