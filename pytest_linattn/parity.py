@@ -73,7 +73,7 @@ def capture_records():
 
 
 def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seqlens=None,
-                  token_ranks=None, describe=None) -> list[dict]:
+                  token_ranks=None, describe=None, activations: bool = True) -> list[dict]:
     """Assert that `actual` matches `expected` within relative Frobenius error `rtol`.
 
     actual, expected: tensors, or dicts of tensors with the same keys (rows named by key).
@@ -90,6 +90,9 @@ def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seq
         the worst token, and the heatmap marks the shard edges (where a holder changes).
     describe(tensor_name, index) -> str | None: where the worst element `index` (a tuple) lies,
         in the caller's words ("value head 5, channel 2"); None keeps the default description.
+    activations: False when the tensors are parameters or their gradients: the worst element is
+        then given by index (row and col of a matrix), never in batch / token / feature words
+        (which a conv weight `[D, 1, W]` would otherwise get as a `[B, T, hidden]` tensor).
 
     Returns the records appended to RECORDS (one per tensor) when everything passes.
     Raises ValueError for bad arguments (rtol, cu_seqlens, token_ranks, describe, mixed
@@ -101,12 +104,16 @@ def assert_parity(actual, expected, *, rtol: float, name: str = "output", cu_seq
     ranks = _check_token_ranks(token_ranks, bounds)
     if describe is not None and not callable(describe):
         raise ValueError(f"describe must be callable or None, got {describe!r}")
+    if not isinstance(activations, bool):
+        raise ValueError(f"activations must be a bool, got {activations!r}")
+    if not activations and (bounds is not None or ranks is not None):
+        raise ValueError("activations=False (parameters) takes no cu_seqlens or token_ranks: they locate tokens")
     pairs = _pairs(actual, expected, name)
     _check_token_count(pairs, bounds)
     results = []
     for label, a, e, problem in pairs:
         results.append(_compare(label, a, e, rtol, bounds, group=name, problem=problem, ranks=ranks,
-                                describe=describe))
+                                describe=describe, activations=activations))
     _sink.extend(results)
     failed = [r for r in results if not r["passed"]]
     if failed:
@@ -198,7 +205,7 @@ def _record(test, group, label, rtol, *, error, passed, shape, problem=None, **e
     return rec
 
 
-def _compare(label, a, e, rtol, bounds, group, problem=None, ranks=None, describe=None) -> dict:
+def _compare(label, a, e, rtol, bounds, group, problem=None, ranks=None, describe=None, activations=True) -> dict:
     __tracebackhide__ = True
     test = current_test()
     if a is None or e is None:
@@ -241,13 +248,13 @@ def _compare(label, a, e, rtol, bounds, group, problem=None, ranks=None, describ
                 max_abs_diff=float(absdiff.nan_to_num(nan=math.inf).max()) if n_bad else float(absdiff.max()))
     if ranks is not None and not (_is_token_tensor(shape) and shape[1] == len(next(iter(ranks.values())))):
         ranks = None  # the token map is over dim 1 of [1, T, ...] tensors of its length only
-    info["worst"] = _locate(flat, shape, bounds, ranks)
+    info["worst"] = _locate(flat, shape, bounds, ranks, activations)
     described = describe(label, tuple(info["worst"]["index"])) if describe is not None else None
     if described is not None:
         info["worst"]["described"] = str(described)
     info["worst_text"] = _location_text(info["worst"])
     if not passed:
-        info.update(_error_map(diff, norm_e if relative else 1.0, shape, bounds, ranks))
+        info.update(_error_map(diff, norm_e if relative else 1.0, shape, bounds, ranks, activations))
     return _record(test, group, label, rtol, error=error, passed=passed, shape=shape, problem=problem, **info)
 
 
@@ -255,7 +262,7 @@ def _fits_packed(shape, bounds) -> bool:
     return bounds is not None and len(shape) >= 2 and shape[0] == 1 and shape[1] == bounds[-1]
 
 
-def _locate(flat: int, shape, bounds, ranks=None) -> dict:
+def _locate(flat: int, shape, bounds, ranks=None, activations=True) -> dict:
     index, rest = [], flat
     for size in reversed(shape):
         index.append(rest % size)
@@ -266,7 +273,7 @@ def _locate(flat: int, shape, bounds, ranks=None) -> dict:
         tok = index[1]
         seq = bisect.bisect_right(bounds, tok) - 1  # skips empty sequences
         loc.update(sequence=seq, token_in_sequence=tok - bounds[seq], token=tok)
-    elif len(shape) >= 3 and bounds is None:  # fla's [B, T, ...]; beside cu_seqlens, a misfit has no tokens
+    elif len(shape) >= 3 and bounds is None and activations:  # fla's [B, T, ...]; beside cu_seqlens, a misfit has no tokens
         loc.update(batch=index[0], token=index[1])
     if "token" in loc:
         if ranks is not None:
@@ -303,11 +310,14 @@ def _location_text(loc: dict | None) -> str:
     return f"{text} at index {idx}"
 
 
-def _error_map(diff: torch.Tensor, norm: float, shape, bounds, ranks=None) -> dict:
+def _error_map(diff: torch.Tensor, norm: float, shape, bounds, ranks=None, activations=True) -> dict:
     """Error by (head, token): sqrt of the summed squared difference over the other dims, over
-    ‖expected‖, so the cells add up in quadrature to the tensor's error. Binned if large."""
+    ‖expected‖, so the cells add up in quadrature to the tensor's error. Binned if large.
+    A parameter (not activations) of 3+ dims: by dim 0 and the rest flattened."""
     sq = diff.nan_to_num(nan=math.inf).square()  # a NaN cell still shows as "off the scale"
-    if sq.dim() >= 3:
+    if sq.dim() >= 3 and not activations:
+        grid, x_label, y_label = sq.reshape(sq.shape[0], -1), "dims 1.. flattened", "dim 0"
+    elif sq.dim() >= 3:
         other = [d for d in range(sq.dim()) if d not in (1, 2)]
         grid = sq.sum(dim=other).T if other else sq.T  # [H, T]
         x_label, y_label = "token", "head" if sq.dim() >= 4 else "feature"

@@ -52,14 +52,16 @@ class ParityRecorder:
         self.from_workers: list[dict] = []  # the controller: records the workers sent
         self.report_paths: list = []
         self.report_notes: list[str] = []  # lines about the report (a PNG not drawn), printed at the end
+        self.xfailed: set[str] = set()  # tests that failed as their xfail mark expects
 
     def records(self) -> list[dict]:
-        """Every record of the session; none on a worker, which forwards its own."""
+        """Every record of the session, those of xfailed tests marked `"xfail": True`; none on a
+        worker, which forwards its own."""
         if self.is_worker:
             return []
         parity = _loaded_parity()
         local = parity.RECORDS[self.local_start:] if parity is not None else []
-        return self.from_workers + local
+        return [dict(r, xfail=True) if r.get("test") in self.xfailed else r for r in self.from_workers + local]
 
     # -- naming the test that records belong to
 
@@ -96,6 +98,8 @@ class ParityRecorder:
     def pytest_runtest_logreport(self, report):
         # Only workers attach records, so only the controller finds any.
         self.from_workers.extend(getattr(report, "linattn_parity", None) or [])
+        if report.skipped and hasattr(report, "wasxfail"):  # failed, as its xfail mark says it would
+            self.xfailed.add(report.nodeid)
 
     # -- the summary and the report
 

@@ -48,16 +48,23 @@ def _label(rec) -> str:
 
 def format_summary(records, max_rows: int = 12) -> str:
     """A plain table of the checks, worst margin (rtol / error) first; failures always listed
-    first, passing checks cut to `max_rows` rows in all. Empty string when there are none."""
+    first (then those of tests that were expected to fail: a record with `"xfail": True`, row
+    `xfail`), passing checks cut to `max_rows` rows in all. Empty string when there are none."""
     records = list(records)
     if not records:
         return ""
-    order = sorted(records, key=lambda r: (r["passed"], r["margin"] if not math.isnan(r["margin"]) else 0.0))
-    n_fail = sum(not r["passed"] for r in records)
-    shown = order[:max(max_rows, n_fail)]
+
+    def kind(r):  # 0 failed, 1 failed as the test expected (xfail), 2 passed
+        return 2 if r["passed"] else 1 if r.get("xfail") else 0
+
+    order = sorted(records, key=lambda r: (kind(r), r["margin"] if not math.isnan(r["margin"]) else 0.0))
+    n_fail = sum(kind(r) == 0 for r in records)
+    n_xfail = sum(kind(r) == 1 for r in records)
+    shown = order[:max(max_rows, n_fail + n_xfail)]
     rows = [[_shorten(str(r["test"]), 60), _label(r), format_number(r["error"]), format_number(r["rtol"]),
-             format_number(r["margin"], "{:.3g}"), "ok" if r["passed"] else "FAIL"] for r in shown]
-    lines = [f"linattn parity: {len(records)} check(s), {n_fail} failed; worst margin (rtol/error) first"]
+             format_number(r["margin"], "{:.3g}"), ("FAIL", "xfail", "ok")[kind(r)]] for r in shown]
+    expected = f", {n_xfail} failed in tests marked xfail (expected)" if n_xfail else ""
+    lines = [f"linattn parity: {len(records)} check(s), {n_fail} failed{expected}; worst margin (rtol/error) first"]
     lines += format_table(["test", "tensor", "error", "rtol", "margin", ""], rows)
     if len(order) > len(shown):
         rest = order[len(shown):]

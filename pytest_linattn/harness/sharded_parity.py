@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from collections.abc import Callable, Sequence
 
 import torch
@@ -137,7 +138,14 @@ def _reference_run(case: ParityCase, runs: dict):
             p.grad = None
         x = case.x.detach().to(dtype).clone().requires_grad_()
         with torch.enable_grad():
-            y = _reference_forward(case, x)
+            try:
+                y = _reference_forward(case, x)
+            except RuntimeError as exc:  # a shape error on x: most likely the wrong input size
+                if not re.search(r"shape|size|dimension", str(exc), re.IGNORECASE):
+                    raise
+                raise ValueError(f"hidden_size (x's last dim, {x.shape[-1]}) must be the reference's input size: "
+                                 f"the reference raised on x of shape {tuple(x.shape)}: "
+                                 f"{type(exc).__name__}: {exc}") from exc
             (y * case.dy.to(dtype)).sum().backward()
         runs[key] = (y.detach(), x.grad, {n: p.grad for n, p in ref.named_parameters()})
     return runs[key]
@@ -213,7 +221,7 @@ def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) 
             grads = [at(t, c)[2] for c in range(cp)]
             per_tp.append({n: _sum_over_cp([g.get(n) for g in grads]) for n in grads[0]})
         collect(assert_parity, case.layer.unshard(per_tp, p), grads_ref, rtol=rtol, name=f"{label} grad",
-                describe=describe)
+                describe=describe, activations=False)
     if failures:
         raise AssertionError(f"parity failed for case {case.name}: {len(failures)} failing check(s)\n\n"
                              + "\n\n".join(failures))
@@ -297,7 +305,7 @@ def check_replicated(label, name, grads, where, rtol, bitwise, what="grad"):
                     f"{label} {what} {name}: TP-replicated parameter, but TP ranks 0 and {t}{where} hold different "
                     f"{held}s (max |diff| {diff:.2e}): its gradient must be reduced over the TP group")
         else:
-            assert_parity(g, first, rtol=rtol,
+            assert_parity(g, first, rtol=rtol, activations=False,
                           name=f"{label} {what} {name}: TP-replicated, TP rank {t} vs TP rank 0{where}")
 
 

@@ -150,6 +150,9 @@ def test_fla_layer_fed_the_wrong_layout_says_the_layouts_differ(fla_on_cpu, spaw
                            "build_cp_context(layout='zigzag')), this placement as 'zigzag' does (each sequence")
     assert note.endswith("test it with Placement(cp_layout='fla-zigzag'), or give the layer this layout")
     assert report.startswith("parity failed for case fla gdn/cp2-zigzag/seed44: 3 failing check(s)")
+    # a conv weight's gradient [D, 1, W] is located by index, not as batch / token / feature
+    conv = next(line for line in report.splitlines() if line.strip().startswith("q_conv1d.weight"))
+    assert "at index (" not in conv and "index (" in conv and not {"batch", "token", "feature"} & set(conv.split())
 
 
 def test_transformers_closure_is_restored_on_exit():

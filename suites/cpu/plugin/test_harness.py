@@ -344,6 +344,10 @@ def build_lambda_free(placement, groups, dtype, device):
     (lambda: assert_sharded_parity(no_spawn, toy_client(), toy_reference(), [], CU, hidden_size=DIM, seed=0,
                                    rtol=RTOL),
      r"placements must hold at least one Placement"),
+    (lambda: assert_sharded_parity(no_spawn, toy_client(), toy_reference(), [Placement(tp=2)], CU,
+                                   hidden_size=DIM + 1, seed=0, rtol=RTOL),
+     r"^hidden_size \(x's last dim, 7\) must be the reference's input size: the reference raised on x of shape "
+     r"\(1, 16, 7\): RuntimeError: The size of tensor a \(6\) must match the size of tensor b \(7\)"),
 ])
 def test_bad_input_raises_value_error(make, rule):
     with pytest.raises(ValueError, match=rule):

@@ -283,3 +283,58 @@ def test_report_without_matplotlib_still_shows_the_failure(pytester):
     result.stdout.fnmatch_lines(["*parity failed for grad_q*", "*worst element*", "*linattn parity*",
                                  "*no PNG: matplotlib is not installed*"])
     assert [p.name for p in report.iterdir()] == ["parity.json"]
+
+
+def test_parameters_are_located_by_index_not_as_tokens(recs):
+    # a conv weight gradient [D, 1, W] is not a [B, T, hidden] activation
+    e = _x(32, 1, 4)
+    a = e.clone()
+    a[29, 0, 2] += 1.0
+    with pytest.raises(AssertionError) as info:
+        assert_parity({"conv1d.weight": a}, {"conv1d.weight": e}, rtol=1e-3, name="grad", activations=False)
+    assert "conv1d.weight" in str(info.value) and "index (29, 0, 2)" in str(info.value)
+    assert "batch" not in str(info.value) and "token" not in str(info.value) and "feature" not in str(info.value)
+    assert (recs[-1]["map_y"], recs[-1]["map_x"]) == ("dim 0", "dims 1.. flattened")
+    assert len(recs[-1]["map"]) == 32 and len(recs[-1]["map"][0]) == 4
+    m = _x(4, 2)
+    with pytest.raises(AssertionError, match=r"row 3, col 1 at index \(3, 1\)"):  # a matrix keeps row / col
+        assert_parity(m + torch.tensor([[0.0, 0.0]] * 3 + [[0.0, 1.0]], dtype=torch.float64), m, rtol=1e-3,
+                      activations=False)
+    with pytest.raises(ValueError, match=r"^activations=False \(parameters\) takes no cu_seqlens"):
+        assert_parity(e, e, rtol=1e-3, cu_seqlens=torch.tensor([0, 1]), activations=False)
+    with pytest.raises(ValueError, match=r"^activations must be a bool"):
+        assert_parity(e, e, rtol=1e-3, activations="no")
+
+
+XFAIL_TESTS = """
+import pytest
+import torch
+from pytest_linattn import assert_parity
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason="a known bug")
+def test_known_bug():
+    x = torch.ones(4, dtype=torch.float64)
+    assert_parity(x + 1, x, rtol=1e-10, name="known")
+
+
+def test_fine():
+    x = torch.ones(4, dtype=torch.float64)
+    assert_parity(x, x, rtol=1e-10, name="fine")
+"""
+
+
+@pytest.mark.parametrize("xdist", [[], ["-n", "1"]], ids=["one-process", "xdist"])
+def test_checks_of_an_xfailed_test_are_marked_expected(pytester, xdist):
+    pytester.makepyfile(test_inner=XFAIL_TESTS)
+    report = pytester.path / "report"
+    result = pytester.runpytest_subprocess("--linattn-report", str(report), "-p", "no:cacheprovider", *xdist)
+    result.assert_outcomes(passed=1, xfailed=1)
+    out = result.stdout.str()
+    result.stdout.fnmatch_lines(["linattn parity: 2 check(s), 0 failed, 1 failed in tests marked xfail (expected); *",
+                                 "*test_inner.py::test_known_bug*known*xfail",
+                                 "*test_inner.py::test_fine*fine*ok"])
+    assert "FAIL" not in out.split("linattn parity:", 1)[1]
+    records = {r["tensor"]: r for r in json.loads((report / "parity.json").read_text())}
+    assert records["known"].get("xfail") is True and not records["known"]["passed"]
+    assert "xfail" not in records["fine"]
