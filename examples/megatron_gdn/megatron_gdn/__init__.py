@@ -1,1 +1,2 @@
-"""megatron-core 0.19.2 GatedDeltaNet on a CPU: the shims (cpu) and the parity harness client (client)."""
+"""megatron-core 0.19.2 GatedDeltaNet on a CPU: the shims (cpu), the parity harness client (client)
+and Megatron's training step around it for the training-step harness (training)."""

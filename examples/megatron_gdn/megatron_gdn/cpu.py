@@ -2,9 +2,11 @@
 
 Every shim is here, each with a comment saying why: TORCHDYNAMO_DISABLE (on import), the HAVE_FLA
 check, `CPUBackend` (the spec without Transformer Engine), `install()` (torch.cuda.current_device
--> cpu, once per rank process) and `ready_for_finalizer()` (a bare layer as finalize_model_grads'
-model chunk). fla's kernels are not among them: the layer's fla calls (`l2norm`, `causal_conv1d`,
-`chunk_gated_delta_rule`) run through linattn.emulation's `fla_on_cpu`.
+-> cpu and torch.cuda.current_stream -> None, once per rank process), `ready_for_finalizer()` (a
+bare layer as finalize_model_grads' model chunk) and `cuda_tensors_on_cpu()` (the optimizer's
+gradient norm, whose buffers are made with a literal device='cuda'). fla's kernels are not among
+them: the layer's fla calls (`l2norm`, `causal_conv1d`, `chunk_gated_delta_rule`) run through
+linattn.emulation's `fla_on_cpu`.
 """
 
 from __future__ import annotations
@@ -15,14 +17,17 @@ import os
 # also works on a CPU, 8x slower); must be set before the first megatron import
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")
 
+import contextlib  # noqa: E402
+
 import torch  # noqa: E402
+from torch.overrides import TorchFunctionMode  # noqa: E402
 
 import megatron.core.ssm.gated_delta_net.common as _gdn_common  # noqa: E402
 from megatron.core.distributed import DistributedDataParallelConfig  # noqa: E402
 from megatron.core.models.backends import LocalSpecProvider  # noqa: E402
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear  # noqa: E402
 
-__all__ = ["CPUBackend", "install", "ready_for_finalizer"]
+__all__ = ["CPUBackend", "cuda_tensors_on_cpu", "install", "ready_for_finalizer"]
 
 # fla 0.6.0 imports without a GPU, so Megatron's own HAVE_FLA guard passes; its kernels run only
 # under fla_on_cpu
@@ -72,7 +77,36 @@ def install() -> None:
     # conv1d, dt_bias, A_log, the CP head permutation and SP's all-gather / reduce-scatter buffers
     # are allocated on torch.cuda.current_device(); process-wide, as the backward needs it too
     torch.cuda.current_device = _cpu
+    # DistributedDataParallel's grad sync (param_and_grad_buffer.start_grad_sync) takes
+    # torch.cuda.current_stream() only to wait on CUDA-graph replay events: no layer here sets
+    # one, so the stream is never used (a method call on None would say so)
+    torch.cuda.current_stream = _no_stream
 
 
 def _cpu():
     return torch.device("cpu")
+
+
+def _no_stream(*args, **kwargs):
+    return None
+
+
+class _CudaFactoriesOnCPU(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        device = kwargs.get("device")
+        if device is not None and torch.device(device).type == "cuda":
+            kwargs = {**kwargs, "device": "cpu"}
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def cuda_tensors_on_cpu():
+    """While active, tensors made with device='cuda' are made on the CPU.
+
+    megatron.core.optimizer's gradient norm allocates its buffers with a literal device='cuda'
+    (get_grad_norm_fp32's total_norm and dummy_overflow_buf, utils.local_multi_tensor_l2_norm's
+    result, FP32Optimizer's _scale), not torch.cuda.current_device(), so install() cannot reach
+    them; scoped to those calls, not process-wide."""
+    with _CudaFactoriesOnCPU():
+        yield
