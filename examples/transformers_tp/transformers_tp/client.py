@@ -10,10 +10,12 @@ reference to the ranks):
     build           the TP model on a rank (the harness's ShardedLayer.build)
     forward         x `[1, T, hidden]` fed as `inputs_embeds`, the logits back (so lm_head's
                     colwise_gather_output is in the check; output size = vocabulary)
-    unshard         TP rank 0's gradients: the harness hands DTensor gradients over whole
+    unshard         TP rank 0's dict: the harness hands DTensor gradients and parameters over whole
     process_groups  none of the harness's: transformers makes its own mesh over the world
+    adamw           the training step's optimizer (AdamW, eps 1e-4: see its docstring)
 
-`transformers_tp_layer(checkpoint)` puts them together as a `pytest_linattn.ShardedLayer`.
+`transformers_tp_layer(checkpoint, replicated)` puts them together as a `pytest_linattn.ShardedLayer`;
+`parameter_placements` (a rank function) tells which parameters the plan leaves replicated.
 """
 
 from __future__ import annotations
@@ -28,8 +30,8 @@ from transformers.distributed.configuration_utils import DistributedConfig
 
 from pytest_linattn import ShardedLayer
 
-__all__ = ["adamw", "build", "fla_mode", "forward", "load", "parameter_placements", "process_groups", "reference_forward",
-           "transformers_tp_layer", "unshard"]
+__all__ = ["adamw", "build", "fla_mode", "forward", "load", "parameter_placements", "process_groups",
+           "reference_forward", "transformers_tp_layer", "unshard"]
 
 
 def load(checkpoint: str, *, tp_size: int = 1, dtype: torch.dtype = torch.float64) -> torch.nn.Module:
@@ -71,8 +73,8 @@ def forward(module, x, cu_seqlens, placement):
     """x `[1, T, hidden]` as `inputs_embeds`; the logits `[1, T, vocab]`. The packing
     (cu_seqlens) is not given to the model: the batch is one sequence to it. The reference gets the
     same call (`reference_forward`), so the comparison is consistent; what is checked is the
-    sharding, not transformers' packed-sequence support. use_cache=False: linear-attention models
-    refuse a cache in training (`get_seq_length can only be called on Attention layers`)."""
+    sharding, not transformers' packed-sequence support. use_cache=False: no cache in training
+    (linear-attention-only models refuse one: `get_seq_length can only be called on Attention layers`)."""
     return module(inputs_embeds=x, use_cache=False).logits
 
 
@@ -81,8 +83,8 @@ def reference_forward(module, x, cu_seqlens):
 
 
 def unshard(local_grads, placement):
-    """TP rank 0's dict: the harness converts DTensor gradients with `.full_tensor()` on the rank,
-    and the names are the reference's (both models come from one checkpoint)."""
+    """TP rank 0's dict of gradients (or parameters): the harness converts DTensors with
+    `.full_tensor()` on the rank, and the names are the reference's (one checkpoint for both)."""
     return dict(local_grads[0])
 
 
