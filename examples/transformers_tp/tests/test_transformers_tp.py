@@ -86,7 +86,7 @@ FULL_ATTENTION = {"self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "s
 @pytest.mark.parametrize("model", MODELS)
 def test_what_the_plan_shards(spawn, checkpoint, model):
     # less the input embedding: transformers >= 5.24 shards it over the vocabulary (embedding_rowwise,
-    # added to every plan), 5.17 leaves it whole; the tests feed inputs_embeds and never run it
+    # added to every plan), 5.17 and 5.23 leave it whole; the tests feed inputs_embeds and never run it
     sharded = {re.sub(r"^model\.layers\.\d+\.|\.weight$", "", n)
                for n, placement in placements(spawn, checkpoint(model)).items() if placement is not None}
     sharded.discard("model.embed_tokens")
@@ -107,8 +107,9 @@ ACCUMULATION_BUG = (
     "replicated_with_grad_allreduce (ReplicatedWithGradAllReduce in transformers/distributed/tensor_parallel.py), "
     "all-reduces (sums over the TP group) the parameter's whole .grad after every backward (5.17.0: a module "
     "full-backward hook; 5.23.0 / 5.24.0: register_post_accumulate_grad_hook); with accumulation .grad already holds "
-    "the earlier micro-batches' reduced gradient, which is summed again (tp_size times). At TP 2, one micro-batch "
-    "backpropagated 1, 2, 3 times without zero_grad gives exactly 1x, 3x, 7x its gradient instead of 1x, 2x, 3x. Every other gradient and parameter matches. "
+    "the earlier micro-batches' reduced gradient, which the all-reduce sums again, multiplying it by tp_size each "
+    "time. At TP 2, one micro-batch backpropagated 1, 2, 3 times without zero_grad gives exactly 1x, 3x, 7x its "
+    "gradient instead of 1x, 2x, 3x. Every other gradient and parameter matches. "
     "Measured on {model} (3 GDN + 1 full-attention layer, float64, CPU/gloo), TP 2 vs unsharded, one AdamW step "
     "(lr 1e-2, eps 1e-4): {figures}")
 FIGURES = {  # the same to 3 digits with fla absent and emulated
