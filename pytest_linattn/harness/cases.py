@@ -130,8 +130,11 @@ class ParityCase:
 
 
 def default_optimizer(params):
-    """AdamW(lr=1e-2, weight_decay=0.1): a step large enough that a wrong gradient moves a weight."""
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    """AdamW(lr=1e-2, weight_decay=0.1, eps=1e-4): a step large enough that a wrong gradient moves
+    a weight. AdamW divides by sqrt(v) + eps, which multiplies the rounding of a gradient element
+    near eps by up to lr / (4 eps) in the weight: 25 with eps 1e-4, 2.5e5 with torch's 1e-8 (a
+    float32 rounding inside a float64 model then fails a 1e-10 bound)."""
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1, eps=1e-4)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,7 +155,8 @@ class TrainingStep:
         over the CP group (each CP rank holds the partial sum over its tokens).
     grad_norm(module, placement, groups) -> 0-dim tensor: the global gradient norm, the same on
         every rank. Default: every parameter counted once: TP-sharded squares summed over the TP
-        group, TP-replicated ones (`ShardedLayer.replicated`) once, DTensor gradients whole.
+        group, TP-replicated ones (`ShardedLayer.replicated`; in a module holding DTensors, every
+        plain parameter) once, DTensor gradients whole.
     clip(params, max_norm, total_norm): scale the gradients; default
         `torch.nn.utils.clip_grads_with_norm_`.
     """

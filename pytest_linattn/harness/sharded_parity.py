@@ -295,6 +295,8 @@ def check_replicated(label, name, grads, where, rtol, bitwise, what="grad"):
     __tracebackhide__ = True
     first = grads[0]
     held = "gradient" if what == "grad" else "value"
+    if all(g is None for g in grads):  # a frozen parameter: no rank holds a gradient
+        return
     for t, g in enumerate(grads[1:], start=1):
         if first is None or g is None:
             raise AssertionError(f"{label} {what} {name}: no {held} on TP rank {0 if first is None else t}{where}")

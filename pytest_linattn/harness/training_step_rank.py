@@ -50,16 +50,20 @@ def sum_grads_over(module: torch.nn.Module, group) -> None:
 
 def default_grad_norm(module: torch.nn.Module, replicated, tp_group) -> torch.Tensor:
     """The global gradient norm, each parameter counted once: TP-sharded squares summed over
-    `tp_group`, the `replicated` ones and DTensor gradients (whole on every rank) once. float64."""
+    `tp_group`; the `replicated` ones and DTensor gradients (whole on every rank) once. In a
+    module that holds DTensors (a DTensor TP plan), the plain parameters are the replicated ones.
+    float64."""
     import torch.distributed as dist
 
-    device = next(module.parameters()).device
+    params = list(module.named_parameters())
+    plan = any(hasattr(q, "full_tensor") for _, q in params)
+    device = params[0][1].device
     sharded = torch.zeros((), dtype=torch.float64, device=device)
     once = torch.zeros((), dtype=torch.float64, device=device)
-    for name, q in module.named_parameters():
+    for name, q in params:
         if q.grad is None:
             continue
-        if hasattr(q.grad, "full_tensor") or name in replicated:
+        if plan or name in replicated:
             once += whole(q.grad).double().pow(2).sum()
         else:
             sharded += q.grad.double().pow(2).sum()
