@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import Placement, ShardedLayer, TrainingStep, assert_sharded_parity, assert_training_parity
 from pytest_linattn.parity import capture_records
 
@@ -39,36 +40,9 @@ class HeadNormMLP(nn.Module):
         self.fc2 = nn.Linear(heads * HEAD_DIM, DIM, bias=False, dtype=dtype, device=device)
 
     def forward(self, x, cu_seqlens=None):
-        if self.group is not None:  # copy to TP: the input gradient is summed over the ranks
-            x = _CopyToTP.apply(x, self.group)
+        x = copy_to_tensor_parallel_region(x, self.group)  # the input gradient summed over TP
         h = self.fc1(x).unflatten(-1, (-1, HEAD_DIM)) * self.norm_weight
-        y = self.fc2(h.flatten(-2))
-        return y if self.group is None else _ReduceFromTP.apply(y, self.group)
-
-
-class _CopyToTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-class _ReduceFromTP(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, y, group):
-        y = y.clone()
-        dist.all_reduce(y, group=group)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad):
-        return grad, None
+        return reduce_from_tensor_parallel_region(self.fc2(h.flatten(-2)), self.group)
 
 
 def _build(placement, groups, dtype, device):
