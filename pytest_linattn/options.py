@@ -164,6 +164,10 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
            parse_switch, metavar="on|off", bare_value="on",
            help="run fla's linear-attention ops on linattn's float64 references in every test and rank, "
                 "so fla-based layers run on a CPU"),
+    Option("fla_interpreted", "--linattn-fla-interpreted", "linattn_fla_interpreted", "linattn_fla_interpreted",
+           "off", parse_switch, metavar="on|off", bare_value="on",
+           help="run fla's own Triton kernels under Triton's interpreter in every test and rank (float32 CPU "
+                "tensors, slow: the fidelity mode); the process is set up at session start, before fla is imported"),
     Option("autotune", "--linattn-autotune", "linattn_autotune", "linattn_autotune", "shipped",
            parse_autotune, metavar="MODE",
            help="Triton's config search on CUDA runs (test process and ranks): shipped (the project's fla "

@@ -6,10 +6,10 @@ turns it off.
 
 Options: one table, ``pytest_linattn.options.OPTIONS`` (``pytest --help`` shows it): ``--tp``,
 ``--cp``, ``--linattn-device``, ``--linattn-timeout``, ``--linattn-report``, ``--linattn-fla-on-cpu``,
-``--linattn-autotune``, each also an ini key (``linattn_tp``, ...). A value is the command line's,
-else one a conftest put in ``config.option.<dest>`` (None unless given on the command line, so a
-conftest's pytest_configure may set suite defaults), else the ini key's, else the default; it is
-read where it is used (collection, spawn), not at configure.
+``--linattn-fla-interpreted``, ``--linattn-autotune``, each also an ini key (``linattn_tp``, ...).
+A value is the command line's, else one a conftest put in ``config.option.<dest>`` (None unless
+given on the command line, so a conftest's pytest_configure may set suite defaults), else the ini
+key's, else the default; it is read where it is used (collection, spawn), not at configure.
 
 Fixtures:
 
@@ -27,6 +27,7 @@ Fixtures:
                         failure that breaks the group stops the session (pytest_linattn.launcher).
     fla_on_cpu          fla's public ops emulated on linattn's float64 references, in the test
                         and in every rank spawn runs (linattn.emulation.fla_on_cpu)
+    fla_interpreted     fla's own kernels under Triton's interpreter, likewise (float32, slow)
     packed_seqlens      pytest_linattn.seqlens.packed_seqlens
     float64_reference   pytest_linattn.float64.float64_reference
 
@@ -182,6 +183,13 @@ def pytest_sessionstart(session):
     # Fail early on bad ini values too (command-line values were checked by argparse).
     for key in _opts.OPTIONS:
         option_value(session.config, key)
+    if option_value(session.config, "fla_interpreted"):  # before collection imports fla
+        from linattn.emulation import interpreted
+
+        try:
+            interpreted.prepare_process()
+        except RuntimeError as exc:
+            raise pytest.UsageError(str(exc)) from None
     session.config.stash[_STATE].apply_autotune()
 
 
@@ -318,12 +326,22 @@ def fla_on_cpu():
         yield torch.float64
 
 
-@pytest.fixture(autouse=True)
-def _fla_on_cpu_for_the_run(request):
-    if not option_value(request.config, "fla_on_cpu"):
+@pytest.fixture
+def fla_interpreted():
+    """fla's own Triton kernels under Triton's interpreter (float32 CPU tensors), in the test and in
+    every rank spawn runs during it (``linattn.emulation.fla_interpreted``). Needs fla not yet
+    imported in the process, as ``--linattn-fla-interpreted`` arranges; then on for every test."""
+    from linattn.emulation import fla_interpreted as interpreted
+
+    with interpreted():
         yield
-        return
-    request.getfixturevalue("fla_on_cpu")
+
+
+@pytest.fixture(autouse=True)
+def _fla_modes_for_the_run(request):
+    for key in ("fla_interpreted", "fla_on_cpu"):  # kernels interpreted; ops emulated, inside
+        if option_value(request.config, key):
+            request.getfixturevalue(key)
     yield
 
 

@@ -68,7 +68,8 @@ class _NotRun:
 
 
 def _active_fla_emulation():
-    # The ranks run fla's ops emulated whenever the test process does (fixture, option or a
-    # `with fla_on_cpu():` around spawn); sys.modules, so a run that never emulates imports nothing.
-    emulation = sys.modules.get("linattn.emulation.patching")
-    return None if emulation is None else emulation.active_compute_dtype()
+    # The ranks run fla's ops emulated, or fla's kernels interpreted, whenever the test process
+    # does (fixture, option or a `with fla_on_cpu():` around spawn): linattn.emulation.active_modes().
+    # sys.modules, so a run that never uses either imports nothing.
+    modes = sys.modules.get("linattn.emulation.modes")
+    return None if modes is None else modes.active_modes()

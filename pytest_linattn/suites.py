@@ -15,7 +15,7 @@ CONFIG = PurePosixPath("suites/suites.toml")
 
 # The plugin options a suite may set, by key (the same in suites.toml); their flags and ini keys
 # are the plugin table's.
-OPTIONS = {key: options.OPTIONS[key] for key in ("tp", "cp", "device", "timeout")}
+OPTIONS = {key: options.OPTIONS[key] for key in ("tp", "cp", "device", "timeout", "fla_interpreted")}
 _KEYS = set(OPTIONS) | {"gpus", "pytest_args", "collect", "description"}
 _NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 _SIZES = re.compile(r"^[1-9][0-9]*(,[1-9][0-9]*)*$")
@@ -33,6 +33,7 @@ class Suite:
     tp: str | None = None
     cp: str | None = None
     timeout: float | None = None
+    fla_interpreted: str | None = None  # "on": fla's kernels under Triton's interpreter (--linattn-fla-interpreted)
     pytest_args: tuple[str, ...] = ()
     collect: bool = True
     description: str = ""
@@ -97,6 +98,9 @@ def _suite(name: str, table: dict, path: Path) -> Suite:
                 raise SuiteConfigError(f"{where}: {key} = {table[key]!r}: one size or a comma list, e.g. \"2,4\"")
     if "device" in table and table["device"] not in options.DEVICES:
         raise SuiteConfigError(f"{where}: device = {table['device']!r}: one of {', '.join(options.DEVICES)}")
+    interpret = table.get("fla_interpreted")
+    if interpret is not None and (not isinstance(interpret, str) or interpret not in options.SWITCH_VALUES):
+        raise SuiteConfigError(f"{where}: fla_interpreted = {interpret!r}: \"on\" or \"off\"")
     timeout = table.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise SuiteConfigError(f"{where}: timeout = {timeout!r}: seconds, a number > 0")
@@ -107,7 +111,7 @@ def _suite(name: str, table: dict, path: Path) -> Suite:
     if not isinstance(collect, bool):
         raise SuiteConfigError(f"{where}: collect = {collect!r}: true or false")
     return Suite(name=name, gpus=gpus, device=table.get("device"), tp=table.get("tp"), cp=table.get("cp"),
-                 timeout=timeout, pytest_args=tuple(args), collect=collect,
+                 timeout=timeout, fla_interpreted=interpret, pytest_args=tuple(args), collect=collect,
                  description=str(table.get("description", "")))
 
 

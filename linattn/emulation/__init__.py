@@ -24,8 +24,13 @@ Any argument value the emulation does not implement raises NotImplementedError n
 function, the argument and the value. The ops compute on the inputs' device (CPU here); outputs
 come back in the input dtype, recurrent states in float32 (float64 for float64 inputs), as fla's.
 See docs/fla-on-cpu.md.
+
+``fla_interpreted()`` (module ``interpreted``) is the other mode: fla's own Triton kernels under
+Triton's interpreter, float32, slow; it checks the emulation against fla's code.
 """
 
+from .interpreted import fla_interpreted
+from .modes import active_modes, modes_context
 from .patching import FLA_VERSION, active_compute_dtype, fla_on_cpu
 
-__all__ = ["FLA_VERSION", "active_compute_dtype", "fla_on_cpu"]
+__all__ = ["FLA_VERSION", "active_compute_dtype", "active_modes", "fla_interpreted", "fla_on_cpu", "modes_context"]

@@ -289,7 +289,7 @@ def test_cancelled_run_summarises_what_finished(root):
 
 def test_repository_suites_toml():
     suites = load_suites(REPO)
-    assert list(suites) == ["cpu", "gpu-1", "gpu-2", "gpu-4", "bench"]
+    assert list(suites) == ["cpu", "fla-interpret", "gpu-1", "gpu-2", "gpu-4", "bench"]
     assert suites["cpu"].pytest_options()[:4] == ["--tp", "2,4", "--cp", "2,4"]
     assert (suites["gpu-2"].gpus, suites["gpu-2"].tp, suites["gpu-2"].cp) == (2, "2", "2")
     assert suites["gpu-4"].gpus == 4 and not suites["bench"].collect
@@ -309,7 +309,8 @@ def test_mini_toml_reads_the_repository_file_like_tomllib():
     ('device = "tpu"', "device = 'tpu'"),
     ("timeout = 0", "timeout = 0"),
     ("shards = 3", "unknown key 'shards'"),
-], ids=["gpus", "tp", "device", "timeout", "unknown"])
+    ('fla_interpreted = "maybe"', "fla_interpreted = 'maybe'"),
+], ids=["gpus", "tp", "device", "timeout", "unknown", "fla_interpreted"])
 def test_config_errors_name_the_key(tmp_path, line, message):
     (tmp_path / "suites").mkdir()
     (tmp_path / "suites/suites.toml").write_text(f"[cpu]\n{line}\n")

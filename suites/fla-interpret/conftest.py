@@ -1,0 +1,37 @@
+"""The fla-interpret suite: the emulation (linattn.emulation.fla_on_cpu) against fla's own Triton
+kernels under Triton's interpreter, float32, on a CPU.
+
+suites.toml gives it ``--linattn-fla-interpreted on``: the plugin sets TRITON_INTERPRET=1 and
+patches Triton at session start, before these tests import fla, and every test and every rank
+spawn starts runs with fla's kernels interpreted. So it needs a pytest process of its own:
+``pytest suites/fla-interpret`` (in a run that also collects suites/cpu, fla is imported compiled
+first and every test here errors, saying so). Tests import fla inside functions only.
+"""
+import sys
+from pathlib import Path
+
+import pytest
+
+# fidelity.py (the shared cases and checks) importable by name under any --import-mode
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+# what running fla's kernels on a CPU says every time: fla's platform note, numpy's overflow in the
+# interpreter's masked-out lanes (exp of what a GPU would never load)
+QUIET = ("ignore:Triton is not supported on current platform:UserWarning",
+         "ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
+def pytest_collection_modifyitems(config, items):
+    here = Path(__file__).resolve().parent
+    for item in items:
+        if here in Path(item.path).resolve().parents:
+            for line in QUIET:
+                item.add_marker(pytest.mark.filterwarnings(line))
+
+
+@pytest.fixture(autouse=True)
+def _fla_interpreted_here(fla_interpreted):
+    """Every test here runs with fla's kernels interpreted, also when the option was turned off."""
+    yield
