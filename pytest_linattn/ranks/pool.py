@@ -216,9 +216,9 @@ class Pool:
             timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None) -> list[Any]:
         """fn(*args, **kwargs) on every rank; the return values in rank order, on CPU.
 
-        fla_on_cpu: None, or the compute dtype of `linattn.emulation.fla_on_cpu`, active on
-        every rank around fn. Raises RankFailure (RankTimeout on a hang) and breaks the pool on
-        any failure.
+        fla_on_cpu: None, or the fla modes (`linattn.emulation.active_modes()`: fla's ops
+        emulated, fla's kernels interpreted) entered on every rank around fn. Raises RankFailure
+        (RankTimeout on a hang) and breaks the pool on any failure.
         """
         timeout = parse_timeout(timeout)
         if not callable(fn):

@@ -79,7 +79,7 @@ class _RecordingPickler(pickle.Pickler):
 
 def task_message(fn, args: tuple, kwargs: dict, fla_dtype) -> bytes:
     """What the parent sends every rank for one call of fn(*args, **kwargs). fla_dtype: None, or
-    the compute dtype of `linattn.emulation.fla_on_cpu`, active around fn."""
+    the fla modes to enter around fn (`linattn.emulation.active_modes()`)."""
     buf = io.BytesIO()
     pickler = _RecordingPickler(buf)
     try:
@@ -206,10 +206,10 @@ def _run_task_inner(msg: bytes) -> tuple:
         _sync_sys_path(sys_path)
         fn, args, kwargs = _FileAwareUnpickler(io.BytesIO(payload), files).load()
         rank_context = contextlib.nullcontext()
-        if fla_dtype is not None:
-            from linattn.emulation import fla_on_cpu
+        if fla_dtype is not None:  # linattn.emulation.active_modes() of the test process
+            from linattn.emulation import modes_context
 
-            rank_context = fla_on_cpu(fla_dtype)
+            rank_context = modes_context(fla_dtype)
     except BaseException:
         return ("error", "could not load the function on this rank:\n" + traceback.format_exc())
     try:
