@@ -12,6 +12,7 @@ emulated. The text is matched, not the exception, so a rank's error reads the sa
 """
 from __future__ import annotations
 
+import os
 import re
 import sys
 import traceback
@@ -52,9 +53,19 @@ def header_line(config) -> str | None:
         return None
     if on:
         _, source = options.unparsed_value(config, "fla_on_cpu")
-        return f"linattn fla-on-cpu: on, in every test and rank ({source}): fla's ops run on linattn's references"
-    return ("linattn fla-on-cpu: off (fla's ops are emulated only in tests using the fla_on_cpu fixture; "
-            "--linattn-fla-on-cpu for every test)")
+        line = f"linattn fla-on-cpu: on, in every test and rank ({source}): fla's ops run on linattn's references"
+    else:
+        line = ("linattn fla-on-cpu: off (fla's ops are emulated only in tests using the fla_on_cpu fixture; "
+                "--linattn-fla-on-cpu for every test)")
+    try:
+        interpreted = options.read_value(config, "fla_interpreted")
+    except ValueError:
+        return line
+    if interpreted:
+        _, source = options.unparsed_value(config, "fla_interpreted")
+        line += (f"\nlinattn fla-interpreted: on, in every test and rank ({source}): fla's own Triton kernels "
+                 f"under Triton's interpreter, float32")
+    return line
 
 
 def _emulated() -> bool:
@@ -98,6 +109,8 @@ class FlaOnCpuReport:
             exc = call.excinfo.value
             line = triton_on_cpu_line("".join(traceback.format_exception(type(exc), exc, exc.__traceback__)),
                                       _emulated())
-            if line is not None:
+            # under fla_interpreted the driver error means the interpreter's setup missed a process:
+            # its traceback says more than a pointer to the emulation
+            if line is not None and os.environ.get("TRITON_INTERPRET") != "1":
                 report.longrepr = OneLine(line)
         return report

@@ -34,6 +34,12 @@ def compiled_kernel(x):  # a kernel's body; never run
     return x
 
 
+def test_header_says_the_kernels_are_interpreted(pytestconfig):
+    from pytest_linattn.fla_hint import header_line
+
+    assert "linattn fla-interpreted: on, in every test and rank" in header_line(pytestconfig)
+
+
 def test_fla_imported_first_is_refused_in_one_line(monkeypatch):
     """A process whose fla kernels are compiled (imported before TRITON_INTERPRET=1) cannot run them."""
     from triton.runtime.jit import JITFunction
