@@ -8,12 +8,18 @@ fla's conventions, kept here:
 - conv cache ``[N, D, W]`` (N sequences), x's dtype: the last W tokens of each sequence, slot
   ``W-1`` the newest; before the sequence's own tokens, the incoming cache's. Only its last
   ``W-1`` slots enter the convolution (slot 0 is shifted out), so slot 0's gradient is zero.
-- ``cp_context``: the exchange of ``linattn.parallel.cp.short_conv`` over the context's group;
-  no cache in or out (fla asserts the same).
+- ``cp_context``: each of the rank's intervals of the packed batch (one in fla's contiguous
+  layout, two in its zigzag) takes its halo, the W-1 tokens before it in its first sequence,
+  from the ranks holding them (one all-gather of every interval's last tokens, as
+  ``linattn.parallel.cp.short_conv`` does for its piece); no cache in or out (fla asserts the same).
+
+The cache paths build the extended packing and the final state with one gather each (their
+index tensors cached per packing), never sequence by sequence.
 """
 
 from __future__ import annotations
 
+import functools
 
 import torch
 
@@ -37,37 +43,111 @@ def conv_in_compute_dtype(x, weight, cu_seqlens=None, bias=None, activation=None
     return reference_short_conv(x, weight, cu_seqlens, bias, activation, compute_dtype=compute_dtype())
 
 
+@functools.lru_cache(maxsize=64)
+def _cache_plan(bounds: tuple, W: int, device: str):
+    """The gathers of the cache paths for one packing, built once per (boundaries, W): a layer's
+    q, k and v convs share them. Rows index ``cat([tokens, cache rows])``:
+
+    - ext_cu, ext_source: the extended packing, each sequence's W-1 cached tokens (rows
+      ``total + n*(W-1) + j``) then its own tokens;
+    - keep: where the sequences' own tokens sit in it;
+    - state_source ``[N*W]``: slot j of sequence n (length L) is its token ``L+j-W``, or the
+      cache's slot ``L+j`` (rows ``total + n*W + L+j``) when ``L+j < W``.
+    """
+    cu = torch.tensor(bounds, dtype=torch.int64, device=device)
+    lengths, N, total = cu.diff(), len(bounds) - 1, bounds[-1]
+    sequences = torch.arange(N, device=device)
+    ext_cu = cu + (W - 1) * torch.arange(N + 1, device=device)
+    ext_seq = torch.repeat_interleave(sequences, lengths + (W - 1))
+    offset = torch.arange(int(ext_cu[-1]), device=device) - ext_cu[:-1][ext_seq]  # place in the extended sequence
+    ext_source = torch.where(offset < W - 1, total + ext_seq * (W - 1) + offset, cu[:-1][ext_seq] + offset - (W - 1))
+    keep = torch.nonzero(offset >= W - 1).flatten()
+    place = lengths[:, None] + torch.arange(W, device=device)  # [N, W]: index in (cache, tokens)
+    state_source = torch.where(place < W, total + sequences[:, None] * W + place, cu[:-1, None] + place - W)
+    return ext_cu, ext_source, keep, state_source.flatten()
+
+
+def _bounds(x, cu_seqlens) -> tuple:
+    B, T, _ = x.shape
+    return tuple(cu_seqlens.tolist()) if cu_seqlens is not None else tuple(range(0, B * T + 1, T))
+
+
 def _conv_with_initial_state(x, weight, bias, activation, initial_state, cu_seqlens):
-    """The reference conv with each sequence's cached W-1 tokens prepended, then dropped."""
+    """The reference conv with each sequence's cached W-1 tokens prepended, then dropped: one
+    gather builds the extended packing, one picks the sequences' own outputs back."""
     W = weight.shape[1]
     history = initial_state[:, :, 1:].transpose(1, 2).to(x.dtype)  # [N, W-1, D], oldest first
     if cu_seqlens is None:
         y = conv_in_compute_dtype(torch.cat([history, x], dim=1), weight, None, bias, activation)
         return y[:, W - 1:]
-    bounds = cu_seqlens.tolist()
-    pieces = []
-    for n, (start, end) in enumerate(zip(bounds[:-1], bounds[1:])):
-        pieces += [history[n].unsqueeze(0), x[:, start:end]]
-    ext_cu = torch.tensor(bounds, dtype=torch.int64) + (W - 1) * torch.arange(len(bounds))
-    y = conv_in_compute_dtype(torch.cat(pieces, dim=1), weight, ext_cu, bias, activation)
-    keep = torch.cat([torch.arange(a + (W - 1), b) for a, b in zip(ext_cu[:-1].tolist(), ext_cu[1:].tolist())])
-    return y.index_select(1, keep.to(y.device))
+    ext_cu, source, keep, _ = _cache_plan(_bounds(x, cu_seqlens), W, str(x.device))
+    D = x.shape[-1]
+    extended = torch.cat([x.reshape(-1, D), history.reshape(-1, D)]).index_select(0, source)
+    y = conv_in_compute_dtype(extended.unsqueeze(0), weight, ext_cu, bias, activation)
+    return y.index_select(1, keep)
 
 
 def _final_state(x, W, initial_state, cu_seqlens):
-    """``[N, D, W]``: the last W entries of (incoming cache, sequence tokens) per sequence."""
-    B, T, D = x.shape
-    if cu_seqlens is None:
-        seqs = list(x.unbind(0))
+    """``[N, D, W]``: the last W entries of (incoming cache, sequence tokens) per sequence, one gather."""
+    bounds, D = _bounds(x, cu_seqlens), x.shape[-1]
+    *_, source = _cache_plan(bounds, W, str(x.device))
+    N = len(bounds) - 1
+    if initial_state is None:
+        before = x.new_zeros(N * W, D)
     else:
-        bounds = cu_seqlens.tolist()
-        seqs = [x[0, a:b] for a, b in zip(bounds[:-1], bounds[1:])]
-    states = []
-    for n, seq in enumerate(seqs):
-        seq = seq.transpose(0, 1)  # [D, t]
-        before = initial_state[n].to(seq.dtype) if initial_state is not None else seq.new_zeros(D, W)
-        states.append(torch.cat([before, seq], dim=1)[:, -W:])
-    return torch.stack(states)
+        before = initial_state.to(x.dtype).transpose(1, 2).reshape(N * W, D)  # [N*W, D], oldest first
+    states = torch.cat([x.reshape(-1, D), before]).index_select(0, source).view(N, W, D)
+    return states.transpose(1, 2).contiguous()
+
+
+def _cp_intervals(ctx) -> tuple[list[list[int]], int]:
+    """(global starts of every rank's intervals of the packed batch, in local order; their length):
+    one per rank in fla's contiguous layout, intervals r and 2cp-1-r in fla's zigzag."""
+    total, cp = ctx.total_tokens, ctx.cp_size
+    if ctx.layout == "contiguous":
+        length = total // cp
+        return [[r * length] for r in range(cp)], length
+    length = total // (2 * cp)
+    return [[r * length, (2 * cp - 1 - r) * length] for r in range(cp)], length
+
+
+def _cp_conv(x, weight, bias, activation, cp_context):
+    """The conv of this rank's tokens in fla's CP layout, each interval with its halo (the W-1
+    tokens before it in its first sequence) prepended: one all-gather of every interval's last
+    tokens (backward: one reduce-scatter), where moving the tokens into the contiguous piece and
+    back takes an all-to-all each way (fla's zigzag)."""
+    from linattn.emulation.cp import piece_context
+    from linattn.parallel.cp.comm import all_gather_from_cp_ranks
+
+    ctx = piece_context(cp_context)
+    W, D = weight.shape[1], x.shape[-1]
+    starts, length = _cp_intervals(ctx)
+    cu = ctx.cu_seqlens
+    every = torch.tensor([s for rank_starts in starts for s in rank_starts])
+    # tokens of each interval's first sequence before it (every rank computes every rank's)
+    pre = every - cu[torch.searchsorted(cu, every, right=True) - 1]
+    if W == 1 or length == 0 or not bool((pre > 0).any()):  # no interval needs a halo: no exchange
+        return conv_in_compute_dtype(x, weight, ctx.local_cu_seqlens_on(x.device), bias, activation)
+    mine = starts[ctx.cp_rank]
+    n_tail = min(W - 1, length)
+    pieces = x[0].unflatten(0, (len(mine), length))  # [intervals, length, D]
+    tails = all_gather_from_cp_ranks(pieces[:, length - n_tail:], ctx.group).flatten(0, 1)  # [rows, n_tail, D]
+    row_of = torch.empty(len(every), dtype=torch.int64)  # global interval index -> row of tails
+    row_of[every // length] = torch.arange(len(every))
+    parts, bounds, keep, offset = [], [], [], 0
+    for i, start in enumerate(mine):
+        halo_len = min(W - 1, int(pre[ctx.cp_rank * len(mine) + i]))
+        pos = torch.arange(start - halo_len, start)  # the halo's global tokens (an empty gather keeps the graph)
+        interval = pos // length
+        parts += [tails[row_of[interval], pos - (interval * length + length - n_tail)], pieces[i]]
+        local = torch.unique_consecutive(cu.clamp(min=start, max=start + length) - start)  # 0 .. length
+        bounds.append(local + offset + halo_len)
+        bounds[-1][0] = offset  # the halo joins the interval's first sequence
+        keep.append(torch.arange(offset + halo_len, offset + halo_len + length))
+        offset += halo_len + length
+    ext_cu = torch.unique_consecutive(torch.cat(bounds)).to(x.device)
+    y = conv_in_compute_dtype(torch.cat(parts).unsqueeze(0), weight, ext_cu, bias, activation)
+    return y.index_select(1, torch.cat(keep).to(x.device))
 
 
 def _check_seq_idx(function: str, seq_idx, cu_seqlens, tokens: int) -> None:
@@ -121,13 +201,7 @@ def causal_conv1d(
         if cp_context.conv1d_kernel_size != W:
             refuse(name, "cp_context.conv1d_kernel_size", cp_context.conv1d_kernel_size,
                    f"differs from the weight's width {W}")
-        from linattn.emulation.cp import piece_context
-        from linattn.parallel import cp as linattn_cp
-
-        ctx = piece_context(cp_context)
-        y = linattn_cp.short_conv(ctx.relayout.to_contiguous(x), weight, bias, activation, backend="exchange",
-                                  piece_op=conv_in_compute_dtype, cp_context=ctx)
-        y = ctx.relayout.from_contiguous(y)
+        y = _cp_conv(x, weight, bias, activation, cp_context)
         if residual is not None:
             y = y + residual.reshape(y.shape).to(y.dtype)
         return y.to(x.dtype).view(shape), None

@@ -7,8 +7,9 @@ what fla computes (fla's metadata code is pure torch and runs on a CPU), with th
 
 Layouts: fla's ``"contiguous"`` is linattn's. fla's ``"zigzag"`` cuts the whole packed batch (not
 each sequence) into ``2*cp`` intervals; rank r holds intervals r and ``2*cp-1-r`` (front, back).
-The linattn context's relayout then moves those tokens into the contiguous piece and back (one
-all-to-all each way), so the same exact contiguous machinery serves both.
+For the delta rules the linattn context's relayout then moves those tokens into the contiguous
+piece and back (one all-to-all each way), so the same exact contiguous machinery serves both;
+the conv exchanges only its halos, interval by interval (``conv._cp_conv``).
 """
 
 from __future__ import annotations

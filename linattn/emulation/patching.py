@@ -92,7 +92,7 @@ def _closure_cells(fn, depth: int = 3):
 def _rebind(mapping: dict[int, tuple[object, object]]) -> list:
     """Replace, in every loaded module, each global or closure cell holding a key object of
     `mapping` (id -> (old, new)) by the new one. Returns undo records."""
-    undo = []
+    undo, get, function = [], mapping.get, types.FunctionType
     for name, module in list(sys.modules.items()):
         if name.startswith(__package__ + "."):
             continue  # the emulation's own modules keep their names bound to the emulation
@@ -101,11 +101,13 @@ def _rebind(mapping: dict[int, tuple[object, object]]) -> list:
         except TypeError:
             continue
         for name, value in list(namespace.items()):
-            hit = mapping.get(id(value))
+            hit = get(id(value))
             if hit is not None and hit[0] is value:
                 namespace[name] = hit[1]
                 undo.append((namespace, name, value))
-            elif type(value) is types.FunctionType:  # type(), not isinstance: no __class__ lookups on proxies
+            # type(), not isinstance: no __class__ lookups on proxies; most functions have neither a
+            # closure nor a __wrapped__ (nothing for _closure_cells to walk): skipped without a generator
+            elif type(value) is function and (value.__closure__ is not None or hasattr(value, "__wrapped__")):
                 for cell in _closure_cells(value):
                     try:
                         inner = cell.cell_contents
