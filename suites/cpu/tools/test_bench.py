@@ -108,3 +108,17 @@ def test_fla_comparison_times_two_layers_computing_the_same_function(bench, tmp_
         assert row["out_err"] < 1e-5, row  # float32 on both sides
         # no memory figures without CUDA's allocator statistics, rather than made-up ones
         assert row["gib"] is None and row["mib_over"] is None and row["tensor_mib_over"] is None, row
+
+
+def test_suite_bench_times_each_emulated_op_against_its_reference(bench, tmp_path):
+    # bench_suite's cheapest part: the single-process op rows (no pool, no fla), one round each
+    module = importlib.import_module("bench_suite")
+    out = tmp_path / "bench_suite.json"
+    payload = module.main(["--parts", "ops", "--shapes", "test", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["rows"] == json.loads(json.dumps(payload["rows"]))
+    ops = {r["op"] for r in payload["rows"]}
+    assert {"chunk_gated_delta_rule", "chunk_kda", "causal_conv1d", "l2norm"} <= ops
+    for row in payload["rows"]:
+        assert row["emulated_ms"] > 0 and row["reference_ms"] > 0, row
+        assert row["ratio"] == pytest.approx(row["emulated_ms"] / row["reference_ms"])
+    assert [s["target"] for s in payload["summary"]] == ["<= 2x"]
