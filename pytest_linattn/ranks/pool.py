@@ -6,10 +6,11 @@ Usable without pytest::
     with PoolManager(device="cpu") as pools:
         results = pools.run(fn, 4, args=(x,), timeout=60)   # one value per rank, rank order
 
-A pool is N processes started with the 'spawn' start method, each with its process group
-initialised once (gloo on CPU, NCCL on GPU), kept per (world size, device) and reused by every
-later call. Any failure (exception, death, timeout) kills and discards that pool; the next call
-starts a fresh one, so a broken process group never leaks into another test.
+A pool is N processes, each with its process group initialised once (gloo on CPU, NCCL on GPU),
+kept per (world size, device) and reused by every later call. CPU ranks are forked from a server
+that has imported torch (and fla, once the session uses it) already, CUDA ranks spawned
+(pytest_linattn.ranks.servers). Any failure (exception, death, timeout) kills and discards that
+pool; the next call starts a fresh one, so a broken process group never leaks into another test.
 
 Rendezvous goes through a TCPStore the parent binds to port 0 (the kernel picks a free port), so
 parallel pytest processes (``pytest -n N``) never collide on a port.
@@ -32,12 +33,11 @@ import shutil
 import signal
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Any, Callable
 
-from . import reports
+from . import reports, servers
 from .gpus import GpuLease, NotEnoughGpus, gpu_count
 from ..options import DEFAULT_TIMEOUT, DEVICES, parse_device, parse_timeout
 from .reports import FAILURE_GRACE, RankFailure, RankTimeout
@@ -108,7 +108,7 @@ class Pool:
     """world_size ranks of one device with an initialised process group, reusable until broken."""
 
     def __init__(self, world_size: int, device: str = "cpu", *, timeout: float = DEFAULT_TIMEOUT,
-                 gpu_ids: list[str] | None = None):
+                 gpu_ids: list[str] | None = None, fla: bool = False):
         self.world_size = check_world_size(world_size)
         if device not in _POOL_DEVICES:
             raise ValueError(f"device must be one of {', '.join(_POOL_DEVICES)}, got {device!r}")
@@ -122,6 +122,9 @@ class Pool:
         self.procs: list[multiprocessing.Process] = []
         self.conns: list[multiprocessing.connection.Connection] = []
         try:
+            # fla: the ranks should have fla imported (a server that preloads it, where one may)
+            self.starter = servers.starter(device, fla)
+            self.fla = self.starter.fla
             self._start(timeout, gpu_ids)
         except BaseException:
             self.kill()
@@ -136,7 +139,7 @@ class Pool:
         self._store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
                                     wait_for_workers=False,
                                     timeout=datetime.timedelta(seconds=timeout))
-        env = {}
+        env = dict(os.environ)  # the rank's whole environment: a server's is from its own start
         if self.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids or [])
         if (self.device == "cpu" and "GLOO_SOCKET_IFNAME" not in os.environ
@@ -146,16 +149,15 @@ class Pool:
             env["GLOO_SOCKET_IFNAME"] = "lo"
         if self.device == "cpu" and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = str(xdist_thread_share(self.world_size))
-        ctx = multiprocessing.get_context("spawn")
-        main_thread = threading.current_thread() is threading.main_thread()
+        start = self.starter
         # The collective timeout is a backstop only: the parent enforces the real one.
         pg_timeout = max(timeout, 1800.0)
         for rank in range(self.world_size):
-            parent_conn, child_conn = ctx.Pipe(duplex=True)
-            proc = ctx.Process(
+            parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
+            proc = start.process(
                 target=rank_main, name=f"linattn-rank{rank}", daemon=True,
-                args=(rank, self.world_size, self.device, self._store.port, child_conn, os.getpid(),
-                      main_thread, self._dump_paths[rank], env, list(sys.path), pg_timeout))
+                args=(rank, self.world_size, self.device, self._store.port, child_conn, start.parent_pid,
+                      start.pdeathsig, self._dump_paths[rank], env, list(sys.path), pg_timeout))
             proc.start()
             child_conn.close()
             self.procs.append(proc)
@@ -326,10 +328,15 @@ class PoolManager:
     def __exit__(self, *exc):
         self.close()
 
-    def pool(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT) -> Pool:
+    def pool(self, world_size: int, *, timeout: float = DEFAULT_TIMEOUT, fla: bool = False) -> Pool:
+        """The live pool of world_size ranks, else a new one. fla: the call runs fla's ops
+        emulated, so a pool whose ranks have no fla preloaded is replaced by one that has (forking
+        one costs less than importing fla on every rank); new pools preload fla once this process
+        has imported it."""
         world_size = check_world_size(world_size)
         pool = self._pools.get(world_size)
-        if pool is not None and pool.alive():
+        if pool is not None and pool.alive() and (pool.fla or not fla
+                                                  or not servers.can_preload_fla(self.device)):
             return pool
         self._discard(world_size)
         gpu_ids = None
@@ -340,7 +347,8 @@ class PoolManager:
             self._leases[world_size] = lease
             gpu_ids = lease.ids
         try:
-            pool = Pool(world_size, self.device, timeout=timeout, gpu_ids=gpu_ids)
+            pool = Pool(world_size, self.device, timeout=timeout, gpu_ids=gpu_ids,
+                        fla=fla or servers.process_uses_fla())
         except BaseException:
             self._discard(world_size)
             raise
@@ -349,7 +357,7 @@ class PoolManager:
 
     def run(self, fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
             timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None) -> list[Any]:
-        pool = self.pool(world_size, timeout=timeout)
+        pool = self.pool(world_size, timeout=timeout, fla=fla_on_cpu is not None)
         try:
             return pool.run(fn, args, kwargs, timeout=timeout, fla_on_cpu=fla_on_cpu)
         finally:

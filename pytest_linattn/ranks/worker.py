@@ -187,6 +187,16 @@ def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
     threading.Thread(target=watch, name="linattn-parent-watch", daemon=True).start()
 
 
+def _set_threads(torch) -> None:
+    # OpenMP read OMP_NUM_THREADS when torch was imported: in a forked rank, in the server
+    try:
+        threads = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        return
+    if threads > 0 and torch.get_num_threads() != threads:
+        torch.set_num_threads(threads)
+
+
 def _sync_sys_path(paths: list[str]) -> None:
     if sys.path != paths:
         sys.path[:] = paths
@@ -228,8 +238,14 @@ def _run_task_inner(msg: bytes) -> tuple:
 
 def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, dump_path, env,
               sys_path, pg_timeout):
-    """A spawned rank's process: join the process group through the parent's store on `port`,
-    say "ready", then answer calls on `conn` until told to stop."""
+    """A rank's process (spawned, or forked from a preloaded server: pytest_linattn.ranks.servers):
+    join the process group through the parent's store on `port`, say "ready", then answer calls
+    on `conn` until told to stop. `parent_pid`: the pid this process's parent has; `env`: the
+    whole environment it runs in (a server's own dates from the server's start)."""
+    from .servers import detach_from_server
+
+    detach_from_server()
+    os.environ.clear()
     os.environ.update(env)
     # Ctrl-C reaches the whole process group: the parent handles it and shuts the ranks down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -248,6 +264,8 @@ def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, d
         # the test process's --linattn-autotune (env LINATTN_AUTOTUNE), before any kernel runs here
         autotune.apply_in_rank(device)
         import torch
+
+        _set_threads(torch)
         import torch.distributed as dist
 
         timeout = datetime.timedelta(seconds=pg_timeout)

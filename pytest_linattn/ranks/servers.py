@@ -1,0 +1,173 @@
+"""Where a CPU pool's ranks come from: forked from a preloaded server, not spawned.
+
+A spawned rank is a fresh interpreter that imports torch (and, where a test runs fla-based
+layers, fla: seconds of CPU each) before it can join its process group. Here a server process
+(multiprocessing's forkserver, one instance per flavour) imports them once per session; every
+rank after that is a fork of it, ready in a fraction of a second (../shared/notes/rank-start.md:
+4 fla-importing ranks in 0.2 s instead of ~40 s on a loaded 2-core machine).
+
+Flavours: "torch" (torch, torch.distributed, pytest, this package, linattn) and "fla" (those
+plus fla and linattn.emulation, only on a machine without a visible GPU, never under Triton's
+interpreter, whose setup must precede fla's import). A server is also keyed by the environment
+variables its preloaded modules read when imported (TRITON_*, OMP_*, ...): a change starts
+another one. Each process (each xdist worker) has its own servers; they exit with it.
+
+Safety of the fork: the server only imports (no tensor op, no thread of its own: numpy's
+OpenBLAS pool shuts itself down around a fork), never opens a process group and never touches
+CUDA: CUDA pools spawn their ranks. A rank closes its copy of the server's "alive" pipe, so the
+server exits as soon as the test process does (even killed), and the ranks, whose
+PR_SET_PDEATHSIG is set against the server, die with it (worker.rank_main).
+"""
+from __future__ import annotations
+
+import atexit
+import io
+import multiprocessing
+import os
+import sys
+import threading
+from multiprocessing import forkserver, popen_forkserver, spawn, util
+from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
+
+__all__ = ["Starter", "can_preload_fla", "close_servers", "detach_from_server", "process_uses_fla", "starter"]
+
+BASE_PRELOAD = ("torch", "torch.distributed", "pytest", "pytest_linattn", "pytest_linattn.ranks.worker",
+                "pytest_linattn.autotune", "pytest_linattn.parity", "linattn", "linattn.layers",
+                "linattn.parallel", "linattn.reference")
+FLA_PRELOAD = BASE_PRELOAD + ("fla", "linattn.emulation")
+# read by the preloaded modules when imported: a server started under other values is stale
+_IMPORT_ENV_PREFIXES = ("TRITON", "FLA_", "TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS_", "KMP_",
+                        "CUDA")
+_INTERPRET_ENV = "TRITON_INTERPRET"
+
+_servers: dict[tuple, forkserver.ForkServer] = {}
+_lock = threading.Lock()
+
+
+class Starter:
+    """How a pool starts its ranks: `process(...)` makes a multiprocessing.Process (not started);
+    `parent_pid` is the pid the ranks' parent has (a server's, or this process's), `pdeathsig`
+    whether PR_SET_PDEATHSIG may be used (the forking thread outlives the ranks), `fla` whether
+    fla is already imported in the ranks."""
+
+    def __init__(self, server: forkserver.ForkServer | None, fla: bool):
+        self._server = server
+        self.fla = fla
+        if server is None:
+            self.method = "spawn"
+            self.parent_pid = os.getpid()
+            self.pdeathsig = threading.current_thread() is threading.main_thread()
+        else:
+            self.method = f"forked from a preloaded server ({'fla' if fla else 'torch'})"
+            self.parent_pid = server._forkserver_pid
+            self.pdeathsig = True  # the server forks from its main thread
+
+    def process(self, **kwargs) -> multiprocessing.Process:
+        if self._server is None:
+            return multiprocessing.get_context("spawn").Process(**kwargs)
+        proc = _ServerProcess(**kwargs)
+        proc._linattn_server = self._server  # taken off before the process object is pickled
+        return proc
+
+
+def starter(device: str, want_fla: bool) -> Starter:
+    """The Starter for a new pool: spawn for CUDA (a forked CUDA context is unusable, and the
+    server must never touch CUDA) and where LINATTN_RANK_START=spawn; else a server, with fla
+    preloaded if `want_fla` and it may be (see the module's docstring)."""
+    if not _use_servers(device):
+        return Starter(None, False)
+    fla = want_fla and _fla_preload_allowed()
+    preload = FLA_PRELOAD if fla else BASE_PRELOAD
+    key = (preload, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_ENV_PREFIXES))))
+    with _lock:
+        server = _servers.get(key)
+        if server is None:
+            server = forkserver.ForkServer()
+            server.set_forkserver_preload(list(preload))
+            _servers[key] = server
+        server.ensure_running()  # (re)started if it died; a new one preloads while the pool starts
+    return Starter(server, fla)
+
+
+def process_uses_fla() -> bool:
+    """Whether this process has imported fla: its tests' functions probably import it on the
+    ranks too, so new pools start with it."""
+    return "fla" in sys.modules
+
+
+def can_preload_fla(device: str) -> bool:
+    """Whether a new pool on `device` would have fla imported in its ranks from the start."""
+    return _use_servers(device) and _fla_preload_allowed()
+
+
+def _use_servers(device: str) -> bool:
+    return (device == "cpu" and os.environ.get("LINATTN_RANK_START") != "spawn"
+            and sys.platform.startswith("linux") and reduction.HAVE_SEND_HANDLE)
+
+
+def _fla_preload_allowed() -> bool:
+    if os.environ.get(_INTERPRET_ENV, "0") not in ("", "0"):
+        return False  # fla_interpreted: the process is set up before fla is imported, in the rank
+    try:
+        from .gpus import gpu_count
+
+        return gpu_count() == 0  # fla's import asks Triton for a GPU driver: none may start here
+    except Exception:
+        return False
+
+
+def close_servers() -> None:
+    """Stop every server of this process (their ranks die with them: close the pools first)."""
+    with _lock:
+        servers = list(_servers.values())
+        _servers.clear()
+    for server in servers:
+        try:
+            server._stop()
+        except Exception:
+            pass
+
+
+atexit.register(close_servers)  # pool.py's own atexit (closing the pools) runs before this one
+
+
+def detach_from_server() -> None:
+    """In a rank forked from a server: close the rank's copy of the server's "alive" pipe, so the
+    server sees the test process's end (its own copy closing) and exits, taking the ranks along."""
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+        server._forkserver_alive_fd = None
+
+
+class _ServerPopen(popen_forkserver.Popen):
+    """popen_forkserver.Popen asking a given server rather than multiprocessing's global one."""
+
+    def __init__(self, process_obj, server):
+        self._server = server
+        super().__init__(process_obj)
+
+    def _launch(self, process_obj):  # popen_forkserver.Popen._launch, with self._server
+        prep_data = spawn.get_preparation_data(process_obj._name)
+        buf = io.BytesIO()
+        set_spawning_popen(self)
+        try:
+            reduction.dump(prep_data, buf)
+            reduction.dump(process_obj, buf)
+        finally:
+            set_spawning_popen(None)
+        self.sentinel, w = self._server.connect_to_new_process(self._fds)
+        _parent_w = os.dup(w)
+        self.finalizer = util.Finalize(self, util.close_fds, (_parent_w, self.sentinel))
+        with open(w, "wb", closefd=True) as f:
+            f.write(buf.getbuffer())
+        self.pid = forkserver.read_signed(self.sentinel)
+
+
+class _ServerProcess(ForkServerProcess):
+    @staticmethod
+    def _Popen(process_obj):
+        return _ServerPopen(process_obj, process_obj.__dict__.pop("_linattn_server"))

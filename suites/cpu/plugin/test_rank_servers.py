@@ -1,0 +1,90 @@
+"""Where a pool's ranks come from (pytest_linattn.ranks.servers): CPU ranks forked from a server
+that imported torch (and fla) once, in this process's environment of now; CUDA ranks spawned.
+
+That no rank and no server outlives its pytest (Ctrl-C, SIGKILL) is test_plugin_spawn's
+test_no_rank_outlives_its_pytest; that two xdist workers' pools never meet, its
+test_xdist_pools_never_collide.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+from pytest_linattn.ranks import servers
+from pytest_linattn.ranks.pool import Pool, PoolManager, xdist_thread_share
+
+
+def rank_facts(name):
+    import torch
+
+    return {"ppid": os.getppid(), "pid": os.getpid(), "env": os.environ.get(name),
+            "threads": torch.get_num_threads(), "fla": "fla" in sys.modules}
+
+
+def _cmdline(pid: int) -> str:
+    with open(f"/proc/{pid}/cmdline", "rb") as f:
+        return f.read().replace(b"\0", b" ").decode()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="servers run on Linux")
+def test_cpu_ranks_are_forks_of_a_server_in_the_environment_of_now(monkeypatch):
+    with PoolManager("cpu") as pools:
+        pools.run(rank_facts, 2, ("UNSET",))  # the server exists from here on
+        server = pools.pool(2).starter.parent_pid
+        pools.close()
+        # set after the server started: the ranks still see it, and thread share applies
+        monkeypatch.setenv("LINATTN_SERVER_PROBE", "seen")
+        monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+        facts = pools.run(rank_facts, 2, ("LINATTN_SERVER_PROBE",))
+        pool = pools.pool(2)
+    assert pool.starter.method.startswith("forked from a preloaded server")
+    assert pool.starter.parent_pid == server != os.getpid()
+    assert "multiprocessing.forkserver" in _cmdline(server) and "'torch'" in _cmdline(server)
+    assert [f["ppid"] for f in facts] == [server, server]
+    assert [f["env"] for f in facts] == ["seen", "seen"]
+    assert [f["threads"] for f in facts] == [xdist_thread_share(2)] * 2
+
+
+def test_fla_pools_once_fla_is_used_and_an_emulated_call_replaces_a_torch_pool(monkeypatch):
+    pytest.importorskip("fla")
+    from linattn.emulation import active_modes, fla_on_cpu
+
+    if not servers.can_preload_fla("cpu"):
+        pytest.skip("fla is not preloaded here (a GPU is visible, or TRITON_INTERPRET is set)")
+    monkeypatch.setattr(servers, "process_uses_fla", lambda: False)
+    with PoolManager("cpu") as pools:
+        plain = pools.run(rank_facts, 2, ("UNSET",))
+        assert not pools.pool(2).fla and not any(f["fla"] for f in plain)
+        with fla_on_cpu():
+            emulated = pools.run(rank_facts, 2, ("UNSET",), fla_on_cpu=active_modes())
+        assert pools.pool(2).fla and all(f["fla"] for f in emulated)
+        assert {f["pid"] for f in emulated}.isdisjoint(f["pid"] for f in plain)  # a new pool
+        again = pools.run(rank_facts, 2, ("UNSET",))  # a plain call keeps the fla pool
+        assert [f["pid"] for f in again] == [f["pid"] for f in emulated]
+        monkeypatch.setattr(servers, "process_uses_fla", lambda: True)
+        pools.close()
+        assert all(f["fla"] for f in pools.run(rank_facts, 2, ("UNSET",)))
+
+
+def test_spawn_where_a_fork_is_unsafe_or_asked_against(monkeypatch):
+    assert servers.starter("cuda", True).method == "spawn"  # a forked CUDA context is unusable
+    assert not servers.can_preload_fla("cuda")
+    monkeypatch.setenv("LINATTN_RANK_START", "spawn")
+    start = servers.starter("cpu", True)
+    assert start.method == "spawn" and start.parent_pid == os.getpid() and not start.fla
+    monkeypatch.delenv("LINATTN_RANK_START")
+    # fla_interpreted sets TRITON_INTERPRET before fla's import: the rank imports fla itself
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not servers.can_preload_fla("cpu") and not servers.starter("cpu", True).fla
+
+
+def test_spawned_ranks_still_work(monkeypatch):
+    monkeypatch.setenv("LINATTN_RANK_START", "spawn")
+    pool = Pool(2, "cpu", timeout=120)
+    try:
+        facts = pool.run(rank_facts, ("LINATTN_RANK_START",))
+    finally:
+        pool.close()
+    assert [f["ppid"] for f in facts] == [os.getpid()] * 2 and [f["env"] for f in facts] == ["spawn"] * 2
