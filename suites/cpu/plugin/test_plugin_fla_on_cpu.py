@@ -1,9 +1,34 @@
 """The fla_on_cpu fixture and the --linattn-fla-on-cpu option / ini key, in fresh pytest runs:
 the emulation is on in the test process and in every rank spawn runs while (and only while) a
-test asks for it, and fla's originals are back afterwards."""
+test asks for it, and fla's originals are back afterwards.
+
+Each inner run imports fla (seconds of CPU) in its test process and, where it spawns, in its rank
+server, so the tests share runs: `_run` runs one inner session per name once per test process
+(xdist worker) and keeps its result; the first test that needs it runs it in its own pytester
+directory. Runs here (and in-process pytester runs, which drop the modules they import but not
+triton's C extension, crash) are subprocesses.
+"""
 from __future__ import annotations
 
+from test_plugin_spawn import _outcomes
+
 pytest_plugins = ["pytester"]
+
+_RUNS: dict[str, tuple] = {}
+
+
+def _run(pytester, name: str):
+    """The inner run `name` of RUNS: (its RunResult, the outcome of each of its tests)."""
+    if name not in _RUNS:
+        files, ini, args = RUNS[name]
+        pytester.makepyfile(**files)
+        if ini:
+            pytester.makeini(ini)
+        junit = pytester.path / "junit.xml"
+        result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-p", "no:cacheprovider",
+                                               f"--junitxml={junit}", *args)
+        _RUNS[name] = (result, _outcomes(junit))
+    return _RUNS[name]
 
 INNER = r'''
 import torch
@@ -31,9 +56,9 @@ def test_plain(spawn):
 
 
 def test_fixture_on_in_test_and_ranks_only_where_asked(pytester):
-    pytester.makepyfile(test_inner=INNER)
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-q", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=2)
+    result, outcomes = _run(pytester, "no option")
+    assert {t: outcomes[t] for t in ("test_fixture", "test_plain")} == {
+        "test_fixture": "passed", "test_plain": "passed"}, result.stdout.str()
 
 
 # A test that asks for nothing; with the option (or ini key) on it runs emulated. No spawn here:
@@ -49,14 +74,9 @@ def test_emulated_without_asking():
 
 
 def test_option_and_ini_turn_it_on_for_every_test(pytester):
-    pytester.makepyfile(test_inner=EMULATED_WITHOUT_ASKING)
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-q", "--linattn-fla-on-cpu")
-    result.assert_outcomes(passed=1)
-    pytester.makeini("[pytest]\nlinattn_fla_on_cpu = on\n")
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-q")
-    result.assert_outcomes(passed=1)
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-q", "--linattn-fla-on-cpu=off")
-    result.assert_outcomes(failed=1)  # the command line wins over the ini key
+    _run(pytester, "option")[0].assert_outcomes(passed=1)
+    _run(pytester, "ini")[0].assert_outcomes(passed=1)
+    _run(pytester, "ini, option off")[0].assert_outcomes(failed=1)  # the command line wins over the ini key
 
 
 def test_bad_value_names_the_option(pytester):
@@ -96,10 +116,11 @@ HINT = ("fla's Triton kernels cannot run on a CPU (Triton finds no GPU driver), 
 
 
 def test_fla_kernel_on_a_cpu_fails_with_one_line_naming_the_emulation(pytester):
-    pytester.makepyfile(test_inner=WITHOUT_EMULATION)
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-p", "no:cacheprovider", "-rf",
-                                           "--linattn-device", "cpu")
-    result.assert_outcomes(failed=3)
+    result, outcomes = _run(pytester, "no option")
+    assert {t: outcomes[t] for t in ("test_in_the_test_process", "test_on_a_rank",
+                                     "test_other_errors_keep_their_report")} == {
+        "test_in_the_test_process": "failed", "test_on_a_rank": "failed",
+        "test_other_errors_keep_their_report": "failed"}, result.stdout.str()
     out = result.stdout.str()
     result.stdout.fnmatch_lines(["linattn fla-on-cpu: off (fla's ops are emulated only in tests using the "
                                  "fla_on_cpu fixture; --linattn-fla-on-cpu for every test)"])
@@ -112,10 +133,21 @@ def test_fla_kernel_on_a_cpu_fails_with_one_line_naming_the_emulation(pytester):
 
 
 def test_header_says_the_emulation_is_on(pytester):
-    pytester.makepyfile(test_inner="def test_nothing():\n    pass\n")
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-p", "no:cacheprovider", "--linattn-fla-on-cpu")
+    result, _ = _run(pytester, "option")
     result.stdout.fnmatch_lines(["linattn fla-on-cpu: on, in every test and rank (--linattn-fla-on-cpu): "
                                  "fla's ops run on linattn's references"])
+
+
+# name: (files, ini, extra arguments). "no option": two files, the fixture's and fla's kernel on a
+# CPU without the emulation (the run that also shows the header's "off")
+RUNS = {
+    "no option": ({"test_asked": INNER, "test_inner": WITHOUT_EMULATION}, None,
+                  ("-rf", "--linattn-device", "cpu")),
+    "option": ({"test_inner": EMULATED_WITHOUT_ASKING}, None, ("--linattn-fla-on-cpu",)),
+    "ini": ({"test_inner": EMULATED_WITHOUT_ASKING}, "[pytest]\nlinattn_fla_on_cpu = on\n", ()),
+    "ini, option off": ({"test_inner": EMULATED_WITHOUT_ASKING}, "[pytest]\nlinattn_fla_on_cpu = on\n",
+                        ("--linattn-fla-on-cpu=off",)),
+}
 
 
 def test_under_the_emulation_the_line_says_the_call_is_not_emulated():
