@@ -111,6 +111,36 @@ def _cp_intervals(ctx) -> tuple[list[list[int]], int]:
     return [[r * length, (2 * cp - 1 - r) * length] for r in range(cp)], length
 
 
+def _cp_conv_plan(ctx, W: int):
+    """What this rank's CP conv gathers, for one context and width (cached on the fla context: a
+    layer's q, k and v convs share it). None when no interval of any rank needs a halo (every
+    rank agrees: the collective is skipped everywhere); else (intervals, length, tokens per tail,
+    the halo's rows and places in the gathered tails, the extended packing's cu_seqlens, where the
+    intervals' own tokens sit in it)."""
+    starts, length = _cp_intervals(ctx)
+    cu = ctx.cu_seqlens
+    every = torch.tensor([s for rank_starts in starts for s in rank_starts])
+    # tokens of each interval's first sequence before it (every rank computes every rank's)
+    pre = every - cu[torch.searchsorted(cu, every, right=True) - 1]
+    if W == 1 or length == 0 or not bool((pre > 0).any()):
+        return None
+    mine, n_tail = starts[ctx.cp_rank], min(W - 1, length)
+    row_of = torch.empty(len(every), dtype=torch.int64)  # global interval index -> row of the gathered tails
+    row_of[every // length] = torch.arange(len(every))
+    halos, bounds, keep, offset = [], [], [], 0
+    for i, start in enumerate(mine):
+        halo_len = min(W - 1, int(pre[ctx.cp_rank * len(mine) + i]))
+        pos = torch.arange(start - halo_len, start)  # the halo's global tokens
+        interval = pos // length
+        halos.append((row_of[interval], pos - (interval * length + length - n_tail)))
+        local = torch.unique_consecutive(cu.clamp(min=start, max=start + length) - start)  # 0 .. length
+        bounds.append(local + offset + halo_len)
+        bounds[-1][0] = offset  # the halo joins the interval's first sequence
+        keep.append((offset + halo_len, offset + halo_len + length))
+        offset += halo_len + length
+    return len(mine), length, n_tail, halos, torch.unique_consecutive(torch.cat(bounds)), keep
+
+
 def _cp_conv(x, weight, bias, activation, cp_context):
     """The conv of this rank's tokens in fla's CP layout, each interval with its halo (the W-1
     tokens before it in its first sequence) prepended: one all-gather of every interval's last
@@ -119,35 +149,21 @@ def _cp_conv(x, weight, bias, activation, cp_context):
     from linattn.emulation.cp import piece_context
     from linattn.parallel.cp.comm import all_gather_from_cp_ranks
 
-    ctx = piece_context(cp_context)
-    W, D = weight.shape[1], x.shape[-1]
-    starts, length = _cp_intervals(ctx)
-    cu = ctx.cu_seqlens
-    every = torch.tensor([s for rank_starts in starts for s in rank_starts])
-    # tokens of each interval's first sequence before it (every rank computes every rank's)
-    pre = every - cu[torch.searchsorted(cu, every, right=True) - 1]
-    if W == 1 or length == 0 or not bool((pre > 0).any()):  # no interval needs a halo: no exchange
+    ctx, W = piece_context(cp_context), weight.shape[1]
+    plans = cp_context.__dict__.setdefault("_linattn_conv_plans", {})
+    if W not in plans:
+        plans[W] = _cp_conv_plan(ctx, W)
+    if plans[W] is None:  # no halo anywhere
         return conv_in_compute_dtype(x, weight, ctx.local_cu_seqlens_on(x.device), bias, activation)
-    mine = starts[ctx.cp_rank]
-    n_tail = min(W - 1, length)
-    pieces = x[0].unflatten(0, (len(mine), length))  # [intervals, length, D]
+    intervals, length, n_tail, halos, ext_cu, keep = plans[W]
+    pieces = x[0].unflatten(0, (intervals, length))  # [intervals, length, D]
     tails = all_gather_from_cp_ranks(pieces[:, length - n_tail:], ctx.group).flatten(0, 1)  # [rows, n_tail, D]
-    row_of = torch.empty(len(every), dtype=torch.int64)  # global interval index -> row of tails
-    row_of[every // length] = torch.arange(len(every))
-    parts, bounds, keep, offset = [], [], [], 0
-    for i, start in enumerate(mine):
-        halo_len = min(W - 1, int(pre[ctx.cp_rank * len(mine) + i]))
-        pos = torch.arange(start - halo_len, start)  # the halo's global tokens (an empty gather keeps the graph)
-        interval = pos // length
-        parts += [tails[row_of[interval], pos - (interval * length + length - n_tail)], pieces[i]]
-        local = torch.unique_consecutive(cu.clamp(min=start, max=start + length) - start)  # 0 .. length
-        bounds.append(local + offset + halo_len)
-        bounds[-1][0] = offset  # the halo joins the interval's first sequence
-        keep.append(torch.arange(offset + halo_len, offset + halo_len + length))
-        offset += halo_len + length
-    ext_cu = torch.unique_consecutive(torch.cat(bounds)).to(x.device)
-    y = conv_in_compute_dtype(torch.cat(parts).unsqueeze(0), weight, ext_cu, bias, activation)
-    return y.index_select(1, torch.cat(keep).to(x.device))
+    parts = []
+    for (rows, places), piece in zip(halos, pieces):  # an empty halo's gather still joins the graph
+        parts += [tails[rows.to(x.device), places.to(x.device)], piece]
+    y = conv_in_compute_dtype(torch.cat(parts).unsqueeze(0), weight, ext_cu.to(x.device), bias, activation)
+    kept = [y[:, a:b] for a, b in keep]  # the intervals' own tokens
+    return kept[0] if len(kept) == 1 else torch.cat(kept, dim=1)
 
 
 def _check_seq_idx(function: str, seq_idx, cu_seqlens, tokens: int) -> None:
