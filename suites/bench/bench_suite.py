@@ -113,7 +113,8 @@ def suite(args) -> dict:
     wall, cpu = time.perf_counter() - start, children_cpu() - cpu0
     lines = [ln for ln in proc.stdout.splitlines() if re.search(r"\d+ (passed|failed)", ln)]
     return {"part": "suite", "wall_s": wall, "cpu_s": cpu, "rc": proc.returncode,
-            "summary": lines[-1].strip("= ") if lines else proc.stdout[-300:], "load_after": load()}
+            "summary": lines[-1].strip("= ") if lines else proc.stdout[-300:], "load_after": load(),
+            "output_tail": proc.stdout.splitlines()[-80:]}  # --durations=N's table, when asked for
 
 
 # ---------------------------------------------------------------------------------------------
