@@ -29,7 +29,8 @@ import threading
 from multiprocessing import forkserver, popen_forkserver, spawn, util
 from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
 
-__all__ = ["Starter", "can_preload_fla", "close_servers", "detach_from_server", "process_uses_fla", "starter"]
+__all__ = ["Starter", "can_preload_fla", "close_servers", "detach_from_server", "fork_process",
+           "preloaded_server", "process_uses_fla", "starter"]
 
 BASE_PRELOAD = ("torch", "torch.distributed", "pytest", "pytest_linattn", "pytest_linattn.ranks.worker",
                 "pytest_linattn.autotune", "pytest_linattn.parity", "linattn", "linattn.layers",
@@ -65,9 +66,7 @@ class Starter:
     def process(self, **kwargs) -> multiprocessing.Process:
         if self._server is None:
             return multiprocessing.get_context("spawn").Process(**kwargs)
-        proc = _ServerProcess(**kwargs)
-        proc._linattn_server = self._server  # taken off before the process object is pickled
-        return proc
+        return fork_process(self._server, **kwargs)
 
 
 def starter(device: str, want_fla: bool) -> Starter:
@@ -77,16 +76,41 @@ def starter(device: str, want_fla: bool) -> Starter:
     if not _use_servers(device):
         return Starter(None, False)
     fla = want_fla and _fla_preload_allowed()
-    preload = FLA_PRELOAD if fla else BASE_PRELOAD
-    key = (preload, tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith(_IMPORT_ENV_PREFIXES))))
+    return Starter(preloaded_server(FLA_PRELOAD if fla else BASE_PRELOAD), fla)
+
+
+def preloaded_server(preload: tuple[str, ...], environ=None) -> forkserver.ForkServer:
+    """This process's running server that has imported the modules `preload` (in this order) under
+    the import-time environment of now; started if there is none. Stopped at exit. environ: the
+    environment a server starts in, if not os.environ (and multiprocessing's resource tracker, if
+    this starts it): its children set their own."""
+    environ = os.environ if environ is None else environ
+    key = (tuple(preload), tuple(sorted((k, v) for k, v in environ.items()
+                                        if k.startswith(_IMPORT_ENV_PREFIXES))))
     with _lock:
         server = _servers.get(key)
         if server is None:
             server = forkserver.ForkServer()
             server.set_forkserver_preload(list(preload))
             _servers[key] = server
-        server.ensure_running()  # (re)started if it died; a new one preloads while the pool starts
-    return Starter(server, fla)
+        saved = None if environ is os.environ else dict(os.environ)
+        if saved is not None:
+            os.environ.clear()
+            os.environ.update(environ)
+        try:
+            server.ensure_running()  # (re)started if it died; a new one preloads while the pool starts
+        finally:
+            if saved is not None:
+                os.environ.clear()
+                os.environ.update(saved)
+    return server
+
+
+def fork_process(server: forkserver.ForkServer, **kwargs) -> multiprocessing.Process:
+    """A multiprocessing.Process (not started; Process's keyword arguments) that `server` forks."""
+    proc = _ServerProcess(**kwargs)
+    proc._linattn_server = server  # taken off before the process object is pickled
+    return proc
 
 
 def process_uses_fla() -> bool:

@@ -6,6 +6,7 @@ import math
 import pytest
 import torch
 
+from inner_pytest import runpytest_forked
 from pytest_linattn import parity
 from pytest_linattn.parity import RECORDS, assert_parity, capture_records, format_summary, set_current_test, write_report
 
@@ -273,11 +274,11 @@ def test_broken():
 
 
 def test_report_without_matplotlib_still_shows_the_failure(pytester):
-    # a fresh interpreter whose conftest makes matplotlib unimportable before the report needs it
+    # a pytest process of its own whose conftest makes matplotlib unimportable before the report needs it
     pytester.makeconftest('import sys\nsys.modules["matplotlib"] = None\n')
     pytester.makepyfile(test_inner=BROKEN_TEST)
     report = pytester.path / "report"
-    result = pytester.runpytest_subprocess("--linattn-report", str(report), "-p", "no:cacheprovider")
+    result = runpytest_forked(pytester, "--linattn-report", str(report), "-p", "no:cacheprovider")
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*parity failed for grad_q*", "*worst element*", "*linattn parity*",
@@ -328,7 +329,7 @@ def test_fine():
 def test_checks_of_an_xfailed_test_are_marked_expected(pytester, xdist):
     pytester.makepyfile(test_inner=XFAIL_TESTS)
     report = pytester.path / "report"
-    result = pytester.runpytest_subprocess("--linattn-report", str(report), "-p", "no:cacheprovider", *xdist)
+    result = runpytest_forked(pytester, "--linattn-report", str(report), "-p", "no:cacheprovider", *xdist)
     result.assert_outcomes(passed=1, xfailed=1)
     out = result.stdout.str()
     result.stdout.fnmatch_lines(["linattn parity: 2 check(s), 0 failed, 1 failed in tests marked xfail (expected); *",

@@ -1,16 +1,16 @@
-"""The fla_on_cpu fixture and the --linattn-fla-on-cpu option / ini key, in fresh pytest runs:
-the emulation is on in the test process and in every rank spawn runs while (and only while) a
-test asks for it, and fla's originals are back afterwards.
+"""The fla_on_cpu fixture and the --linattn-fla-on-cpu option / ini key, in pytest runs of their
+own: the emulation is on in the test process and in every rank spawn runs while (and only while)
+a test asks for it, and fla's originals are back afterwards.
 
-Each inner run imports fla (seconds of CPU) in its test process and, where it spawns, in its rank
-server, so the tests share runs: `_run` runs one inner session per name once per test process
-(xdist worker) and keeps its result; the first test that needs it runs it in its own pytester
-directory. Runs here (and in-process pytester runs, which drop the modules they import but not
-triton's C extension, crash) are subprocesses.
+A cold inner run imports fla (~8 s of CPU) in its test process and, where it spawns, in its rank
+server. So the runs are forked from a server that imported fla once (inner_pytest; in-process
+pytester runs, which drop the modules they import but not triton's C extension, crash), and the
+tests share them: `_run` runs one inner session per name once per test process (xdist worker) and
+keeps its result; the first test that needs it runs it in its own pytester directory.
 """
 from __future__ import annotations
 
-from test_plugin_spawn import _outcomes
+from inner_pytest import junit_outcomes, runpytest_forked
 
 pytest_plugins = ["pytester"]
 
@@ -25,9 +25,9 @@ def _run(pytester, name: str):
         if ini:
             pytester.makeini(ini)
         junit = pytester.path / "junit.xml"
-        result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-p", "no:cacheprovider",
-                                               f"--junitxml={junit}", *args)
-        _RUNS[name] = (result, _outcomes(junit))
+        result = runpytest_forked(pytester, "-p", "pytest_linattn", "-p", "no:cacheprovider",
+                                  f"--junitxml={junit}", *args, fla=True)
+        _RUNS[name] = (result, junit_outcomes(junit))
     return _RUNS[name]
 
 INNER = r'''

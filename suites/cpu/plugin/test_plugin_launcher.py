@@ -15,7 +15,7 @@ import sys
 import time
 from pathlib import Path
 
-from test_plugin_spawn import _durations, _no_leftovers, _outcomes
+from inner_pytest import junit_durations, junit_outcomes, no_leftovers
 
 pytest_plugins = ["pytester"]
 
@@ -147,7 +147,7 @@ def test_faults_under_torchrun(pytester):
     # One report (rank 1 runs quietly); after each fault the next test passes; the exit ends it.
     assert text.count("test session starts") == 1, text
     assert "4 failed, 7 passed, 1 deselected in" in text, text
-    outcomes = _outcomes(pytester.path / "junit.xml")
+    outcomes = junit_outcomes(pytester.path / "junit.xml")
     for fault in ("raise", "raise_late_watchdog", "hang", "exit"):
         assert outcomes[f"test_fault[{fault}]"] == "failed", outcomes
     for fault in ("raise", "raise_late_watchdog", "hang"):
@@ -179,12 +179,12 @@ def test_faults_under_torchrun(pytester):
     assert "linattn: 2 test(s) not run: a rank was gone after test_launched.py::test_fault[exit]" in text
     assert "NOT RUN test_launched.py::test_fault[exit:next]" in text
     assert "NOT RUN test_launched.py::test_last" in text
-    durations = _durations(pytester.path / "junit.xml")
+    durations = junit_durations(pytester.path / "junit.xml")
     print("durations:", durations)
     for fault in ("raise", "raise_late_watchdog", "exit"):
         assert durations[f"test_fault[{fault}]"] < 40, durations  # not the 120 s timeout
     assert durations["test_fault[hang]"] < 4 + 10 + 10, durations  # timeout + 10 s, with load
-    assert not _no_leftovers(tag), "a rank outlived its torchrun"
+    assert not no_leftovers(tag), "a rank outlived its torchrun"
 
 
 def _reports(text: str) -> dict[str, str]:
@@ -263,7 +263,7 @@ def test_two_nodes(pytester):
     assert node0.count("test session starts") == 1 and "test session starts" not in node1, \
         "the agent started first was not node 0"
     assert all(proc.returncode != 0 for proc in procs)
-    outcomes = _outcomes(pytester.path / "junit.xml")
+    outcomes = junit_outcomes(pytester.path / "junit.xml")
     parity = {name: o for name, o in outcomes.items() if name.startswith("test_tp_cp_layer")}
     assert len(parity) == 3 and set(parity.values()) == {"passed"}, outcomes
     assert outcomes["test_node_one[raise]"] == "failed" and outcomes["test_node_one[raise:next]"] == "passed"
@@ -283,7 +283,7 @@ def test_two_nodes(pytester):
     assert f"--- rank 3 (node 1 = {host}, local rank 1) sent nothing: it died" in killed, killed
     assert "No new process group can be made without every rank" in killed, killed
     assert "NOT RUN test_two_nodes.py::test_node_one[kill:next]" in node0
-    durations = _durations(pytester.path / "junit.xml")
+    durations = junit_durations(pytester.path / "junit.xml")
     print("durations:", durations)
     assert durations["test_node_one[raise]"] < 40 and durations["test_node_one[kill]"] < 40, durations
-    assert not _no_leftovers(tag), "a rank outlived its torchrun"
+    assert not no_leftovers(tag), "a rank outlived its torchrun"

@@ -1,7 +1,8 @@
 """Options, ini keys, tp/cp parametrization and deselection, markers, and the ways to load the plugin.
 
 Most runs are in-process (``pytester.runpytest``: cheap); loading checks need a fresh interpreter
-(``runpytest_subprocess``) because the entry point and ``-p`` act at start-up.
+(``runpytest_subprocess``) because the entry point and ``-p`` act at start-up; runs that need a
+process of their own otherwise are forked from a server that imported torch once (inner_pytest).
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 # extension cannot be imported a second time (this file alone failed with "bad call flags").
 import torch  # noqa: F401
 
+from inner_pytest import runpytest_forked
 from pytest_linattn import options
 
 pytest_plugins = ["pytester"]
@@ -210,7 +212,7 @@ def test_world():
     result.stdout.fnmatch_lines(["*needs 2 GPU(s) (gpus(2)); this machine has 0*"])
     # in a subprocess: on CUDA the plugin imports triton (autotune), whose C extension must not be
     # loaded inside pytester's in-process run (it drops the modules, not the extension, afterwards)
-    result = pytester.runpytest_subprocess("--linattn-device", "cuda", "-rs")
+    result = runpytest_forked(pytester, "--linattn-device", "cuda", "-rs")
     result.assert_outcomes(skipped=2)
     result.stdout.fnmatch_lines(["*needs 2 GPU(s) (world_size(2)); this machine has 0*"])
 
@@ -225,8 +227,9 @@ def test_fixtures(packed_seqlens, float64_reference):
     assert packed_seqlens is s and float64_reference is f
     assert pytest_linattn.assert_parity is assert_parity
 """)
-    # A subprocess: torch cannot be imported twice into one process by in-process pytester.
-    pytester.runpytest_subprocess().assert_outcomes(passed=1)
+    # A process of its own (inner_pytest): torch cannot be imported twice into one process by
+    # in-process pytester.
+    runpytest_forked(pytester).assert_outcomes(passed=1)
 
 
 # -- loading ------------------------------------------------------------------------------------
@@ -298,7 +301,7 @@ def test_parity_summary_and_report(pytester, xdist):
     pytester.makepyfile(test_par=PARITY_TESTS)
     report = pytester.path / "report"
     args = ["--linattn-report", str(report)] + (["-n", "2"] if xdist else [])
-    result = pytester.runpytest_subprocess(*args)
+    result = runpytest_forked(pytester, *args)
     result.assert_outcomes(passed=1, failed=1)
     # Records made in xdist workers reach the controller's summary and report.
     result.stdout.fnmatch_lines(["*linattn parity*", "*2 check(s), 1 failed*"])

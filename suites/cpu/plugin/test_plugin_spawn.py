@@ -1,4 +1,5 @@
-"""The spawn fixture and its rank pools, exercised in fresh pytest runs (pytester subprocesses).
+"""The spawn fixture and its rank pools, exercised in pytest runs of their own: forked from a server
+that imported torch once (inner_pytest), or cold subprocesses where the test signals its pytest.
 
 Each inner run packs several scenarios into one session, because a pool start costs seconds on
 a small CPU: the same session checks that a failure is contained and the next test passes.
@@ -12,10 +13,11 @@ import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
 
 import pytest
 
+from inner_pytest import (junit_durations, junit_outcomes, no_leftovers, pids_in, process_alive,
+                          runpytest_forked)
 from pytest_linattn.ranks import pool
 
 pytest_plugins = ["pytester"]
@@ -32,8 +34,11 @@ import torch.distributed as dist
 def rank_info(scale):
     t = torch.full((2,), float(dist.get_rank() + 1))
     dist.all_reduce(t)
+    with open("/proc/self/environ", "rb") as f:  # what the outer test's leak check reads
+        tagged = os.environ["LINATTN_LEAK_TAG"].encode() in f.read()
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "pid": os.getpid(),
-            "sum": t * scale, "pair": (torch.arange(3) + dist.get_rank(), [dist.get_rank()])}
+            "sum": t * scale, "pair": (torch.arange(3) + dist.get_rank(), [dist.get_rank()]),
+            "tagged": tagged}
 
 
 def raise_on_one():
@@ -70,6 +75,7 @@ def test_tensors_in_rank_order(spawn):
     _record(out)
     assert [o["rank"] for o in out] == [0, 1]
     assert all(o["world"] == 2 for o in out)
+    assert all(o["tagged"] for o in out)  # the outer test's leak check sees the ranks
     for r, o in enumerate(out):
         assert o["sum"].device.type == "cpu"
         assert torch.equal(o["sum"], torch.full((2,), 6.0))
@@ -159,58 +165,6 @@ def test_next_passes(spawn):
 '''
 
 
-def _alive(pid: int) -> bool:
-    # A zombie is dead for our purpose (its parent has not reaped it yet).
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def _pids(path) -> list[int]:
-    return [int(p) for line in path.read_text().split("\n") for p in line.split()]
-
-
-def _tagged(tag: str) -> list[int]:
-    """Live processes started with LINATTN_LEAK_TAG=tag in their environment: the inner pytest
-    run's ranks and anything else it started."""
-    needle = f"LINATTN_LEAK_TAG={tag}".encode()
-    found = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit() or int(d) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{d}/environ", "rb") as f:
-                env = f.read().split(b"\0")
-        except OSError:
-            continue
-        if needle in env and _alive(int(d)):
-            found.append(int(d))
-    return found
-
-
-def _no_leftovers(tag: str, wait: float = 5.0) -> list[int]:
-    deadline = time.monotonic() + wait
-    while (left := _tagged(tag)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return left
-
-
-def _durations(junit) -> dict[str, float]:
-    root = ET.parse(junit).getroot()
-    return {case.get("name"): float(case.get("time")) for case in root.iter("testcase")}
-
-
-def _outcomes(junit) -> dict[str, str]:
-    out = {}
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        kids = [c.tag for c in case]
-        out[case.get("name")] = ("failed" if "failure" in kids or "error" in kids
-                                 else "skipped" if "skipped" in kids else "passed")
-    return out
-
-
 def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     pytester.makepyfile(test_ranks=RANK_TESTS)
     pids_file = pytester.path / "pids.txt"
@@ -218,9 +172,9 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     tag = f"spawn-{os.getpid()}-{time.monotonic_ns()}"
     monkeypatch.setenv("LINATTN_LEAK_TAG", tag)
     junit = pytester.path / "junit.xml"
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
-                                           "--linattn-timeout", "60", f"--junitxml={junit}")
-    outcomes = _outcomes(junit)
+    result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
+                                        "--linattn-timeout", "60", f"--junitxml={junit}")
+    outcomes = junit_outcomes(junit)
     assert outcomes == {
         "test_tensors_in_rank_order": "passed", "test_pool_is_reused": "passed",
         "test_world_size_one": "passed", "test_raising_rank": "failed",
@@ -243,18 +197,18 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     assert signalled.index("--- rank 1 died") < signalled.index("--- rank 0 raised"), signalled
     segv = text.split("segv_on_one(...) on 2 ranks: rank 1 died with signal SIGSEGV", 1)[1]
     assert "Fatal Python error: Segmentation fault" in segv
-    assert 'test_ranks.py", line 34 in segv_on_one' in segv.split("--- rank 0 raised")[0], segv
+    assert 'test_ranks.py", line 37 in segv_on_one' in segv.split("--- rank 0 raised")[0], segv
     # A parity failure starts at the test's line, not in assert_parity's own source.
     parity = text.split("test_parity_failure_shows_no_library_frames ___", 1)[1]
     parity = parity.split("\n", 1)[1].split("\n_", 1)[0].split("\n- generated", 1)[0]
     assert "assert_parity(x + 1, x" in parity and "def assert_parity" not in parity, parity
     assert "pytest_linattn/parity.py" not in parity, parity
     # Failures stay quick: a raise waits only the short grace for the other ranks.
-    assert _durations(junit)["test_raising_rank"] < 15
+    assert junit_durations(junit)["test_raising_rank"] < 15
     # No rank outlives the run.
-    pids = _pids(pids_file)
-    assert pids and not [p for p in pids if _alive(p)]
-    assert not _no_leftovers(tag)
+    pids = pids_in(pids_file)
+    assert pids and not [p for p in pids if process_alive(p)]
+    assert not no_leftovers(tag)
 
 
 def test_hang_times_out_with_every_stack(pytester, monkeypatch):
@@ -262,8 +216,8 @@ def test_hang_times_out_with_every_stack(pytester, monkeypatch):
     pids_file = pytester.path / "pids.txt"
     monkeypatch.setenv("PIDS_FILE", str(pids_file))
     junit = pytester.path / "junit.xml"
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
-                                           "--linattn-timeout", "5", f"--junitxml={junit}")
+    result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
+                                        "--linattn-timeout", "5", f"--junitxml={junit}")
     result.assert_outcomes(passed=1, failed=1)
     text = result.stdout.str()
     assert "hang_on_zero(...) on 2 ranks: timed out after 5 s" in text
@@ -271,8 +225,8 @@ def test_hang_times_out_with_every_stack(pytester, monkeypatch):
     assert "rank 0 stack (still running" in text and "rank 1 stack (still running" in text
     assert 'test_hang.py", line 8 in hang_on_zero' in text
     assert "in barrier" in text
-    assert _durations(junit)["test_hang"] < 20
-    assert not [p for p in _pids(pids_file) if _alive(p)]
+    assert junit_durations(junit)["test_hang"] < 20
+    assert not [p for p in pids_in(pids_file) if process_alive(p)]
 
 
 def test_importlib_mode(pytester):
@@ -296,8 +250,8 @@ def test_deep(spawn):
     assert [b.value for b in spawn(add, 2, Box(10))] == [10, 11]
 '''})
     # (The default prepend mode is what every other test here uses.)
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
-                                           "--import-mode=importlib", "tests")
+    result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
+                                        "--import-mode=importlib", "tests")
     result.assert_outcomes(passed=1)
 
 
@@ -327,8 +281,8 @@ def test_many(spawn, i):
 ''')
     for round_ in range(_stress_rounds()):
         start = time.monotonic()
-        result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu",
-                                               "-n", "2", "-p", "no:randomly")
+        result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
+                                            "-n", "2", "-p", "no:randomly")
         text = result.stdout.str()
         assert result.ret == 0, f"round {round_}:\n{text}"
         result.assert_outcomes(passed=20)
@@ -371,8 +325,8 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
         while not (pids_file.exists() and pids_file.read_text()) and time.monotonic() < deadline:
             assert proc.poll() is None, proc.stdout.read().decode()
             time.sleep(0.1)
-        pids = _pids(pids_file)
-        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        pids = pids_in(pids_file)
+        assert len(pids) == 2 and all(process_alive(p) for p in pids)
         proc.send_signal(getattr(signal, sig))
         proc.wait(30)
     finally:
@@ -381,7 +335,7 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
             proc.wait()
     if sig == "SIGINT":
         assert proc.returncode == pytest.ExitCode.INTERRUPTED
-    assert not _no_leftovers(tag), f"ranks alive after {sig} of their pytest"
+    assert not no_leftovers(tag), f"ranks alive after {sig} of their pytest"
     # a killed pytest leaves its pool's directory; the next pool started (here, or in another
     # xdist worker first) removes it
     os.rmdir(pool._make_tmpdir())
@@ -443,7 +397,7 @@ def compare():
 def test_on_ranks(spawn):
     spawn(compare, 2)
 ''')
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cpu")
+    result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu")
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 failed*", "*2 check(s), 1 failed*",
                                  "*test_rank_parity.py::test_on_ranks*rank1:h*FAIL*"])

@@ -1,0 +1,160 @@
+"""Running pytest inside a test: inner runs forked from a server that imported torch (and fla) once
+per test process, and what a test reads after an inner run (its junit file, what it left running).
+
+`pytester.runpytest_subprocess` starts `python -m pytest` cold: ~2.5 s of CPU for pytest and
+torch, ~8 s where the inner run imports fla. `runpytest_forked(pytester, *args)` gives the same
+RunResult from a fork of a server (pytest_linattn.ranks.servers) that imported those modules
+already: the inner session is a process of its own, in pytester's directory and the test's
+environment, output to pytester's stdout/stderr files, but its interpreter did not start cold.
+
+For inner runs that test what a session does, not how a process starts: plugin loading, import
+costs and `fla_interpreted` (fla must not be imported yet) keep `runpytest_subprocess`, and a
+test that signals the inner pytest (Ctrl-C, SIGKILL) starts it with Popen. The inner session's
+own rank server starts cold, as before, in the test's environment: a leak tag (`tagged_processes`
+reads /proc/<pid>/environ, the environment a process was started with) marks it and its ranks,
+not the forked inner pytest itself, which the test waits for anyway.
+
+Two differences from a cold start, both harmless to these tests: a module the server imported
+is not imported again (fla brings anyio, pytest's plugin: the inner run's "cannot be rewritten"
+warning for it is filtered), and sys.path is the cold one's (the directory, PYTHONPATH, the
+interpreter's own), rebuilt by hand.
+"""
+from __future__ import annotations
+
+import atexit
+import ctypes
+import os
+import signal
+import sys
+import time
+import xml.etree.ElementTree as ET
+
+import pytest
+from _pytest.pathlib import make_numbered_dir
+
+TORCH = ("torch", "torch.distributed", "numpy")
+# Nothing of a pytest plugin's distribution (pytest_linattn, linattn, xdist) is imported in the
+# server or in the fork before pytest.main: pytest rewrites their asserts when it imports them.
+REWRITE_WARNING = ("-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning")
+TIMEOUT = 600.0
+# The servers start in the environment of this module's import (collection), not a test's: a leak
+# tag set by a test must mark only what its inner run starts.
+_START_ENVIRON = dict(os.environ)
+
+
+def runpytest_forked(pytester, *args: str, fla: bool = False, timeout: float = TIMEOUT) -> pytest.RunResult:
+    """`pytester.runpytest_subprocess(*args)`, forked. fla: the server imported fla too (else the
+    inner run imports it itself, as a cold one)."""
+    from pytest_linattn.ranks import servers
+
+    fla = fla and servers.can_preload_fla("cpu")
+    server = servers.preloaded_server(TORCH + (("fla",) if fla else ()), environ=_START_ENVIRON)
+    basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
+    args = (f"--basetemp={basetemp}", *REWRITE_WARNING, *map(str, args))
+    for plugin in pytester.plugins:  # as runpytest_subprocess: by name only
+        if not isinstance(plugin, str):
+            raise ValueError(f"a forked run takes plugins by name only, got {plugin!r}")
+        args = ("-p", plugin, *args)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+    out, err = pytester.path / "stdout", pytester.path / "stderr"
+    start = time.monotonic()
+    proc = servers.fork_process(server, target=_inner_main, name="forked-pytest",
+                                args=(args, os.getcwd(), env, str(out), str(err)))
+    proc.start()
+    proc.join(timeout)
+    if proc.exitcode is None:
+        proc.kill()
+        proc.join()
+        raise pytester.TimeoutExpired(f"{timeout} second timeout expired running pytest {args}")
+    lines = [p.read_text(encoding="utf8").splitlines() for p in (out, err)]
+    for name, text in zip(("stdout", "stderr"), lines):
+        print(f"--- forked pytest {name}:", *text, sep="\n")
+    return pytest.RunResult(proc.exitcode, lines[0], lines[1], time.monotonic() - start)
+
+
+def _inner_main(args, cwd, env, out, err):
+    """In the fork: what a cold start of `python -m pytest` in `cwd` has (working directory,
+    environment, sys.path, output files), pytest.main, then the interpreter's exit handlers (a
+    forked process skips them) and its exit code."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver  # the server's "alive" pipe: the server ends with the test process
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: and this one with it
+    server_path = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+    interpreter_path = [p for p in sys.path if p and p not in server_path]
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = [cwd] + [p for p in env["PYTHONPATH"].split(os.pathsep) if p] + interpreter_path
+    sys.argv = [os.path.join(os.path.dirname(pytest.__file__), "__main__.py"), *args]
+    for fd, path in ((1, out), (2, err)):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    try:
+        code = int(pytest.main(list(args)))
+    finally:
+        atexit._run_exitfuncs()
+        sys.stdout.flush()
+        sys.stderr.flush()
+    sys.exit(code)
+
+
+# ---------------------------------------------------------------------------------------------
+# after an inner run
+
+
+def process_alive(pid: int) -> bool:
+    # A zombie is dead for our purpose (its parent has not reaped it yet).
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def pids_in(path) -> list[int]:
+    return [int(p) for line in path.read_text().split("\n") for p in line.split()]
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes started with LINATTN_LEAK_TAG=tag in their environment: the inner pytest
+    run's ranks and anything else it started."""
+    needle = f"LINATTN_LEAK_TAG={tag}".encode()
+    found = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit() or int(d) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{d}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if needle in env and process_alive(int(d)):
+            found.append(int(d))
+    return found
+
+
+def no_leftovers(tag: str, wait: float = 5.0) -> list[int]:
+    deadline = time.monotonic() + wait
+    while (left := tagged_processes(tag)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def junit_durations(junit) -> dict[str, float]:
+    root = ET.parse(junit).getroot()
+    return {case.get("name"): float(case.get("time")) for case in root.iter("testcase")}
+
+
+def junit_outcomes(junit) -> dict[str, str]:
+    out = {}
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        kids = [c.tag for c in case]
+        out[case.get("name")] = ("failed" if "failure" in kids or "error" in kids
+                                 else "skipped" if "skipped" in kids else "passed")
+    return out
