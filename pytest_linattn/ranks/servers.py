@@ -24,6 +24,7 @@ import atexit
 import io
 import multiprocessing
 import os
+import signal
 import sys
 import threading
 from multiprocessing import forkserver, popen_forkserver, spawn, util
@@ -141,13 +142,21 @@ def _fla_preload_allowed() -> bool:
 
 
 def close_servers() -> None:
-    """Stop every server of this process (their ranks die with them: close the pools first)."""
+    """Stop every server of this process (their ranks die with them: close the pools first).
+    Killed, not asked: a server's own exit tears down an interpreter holding torch and fla, a
+    second or more each, and it has nothing to save."""
     with _lock:
         servers = list(_servers.values())
         _servers.clear()
     for server in servers:
+        if server._forkserver_pid is not None:
+            try:
+                os.kill(server._forkserver_pid, signal.SIGKILL)
+            except OSError:
+                pass
+    for server in servers:
         try:
-            server._stop()
+            server._stop()  # closes its "alive" pipe, reaps it
         except Exception:
             pass
 
