@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import gc
 import os
 import signal
 import sys
@@ -84,6 +85,7 @@ def _inner_main(args, cwd, env, out, err):
         os.close(server._forkserver_alive_fd)
         server._forkserver_alive_fd = None
     ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: and this one with it
+    gc.freeze()  # what the server imported stays: out of the inner run's collections
     server_path = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     interpreter_path = [p for p in sys.path if p and p not in server_path]
     os.chdir(cwd)

@@ -17,6 +17,7 @@ import contextlib
 import copy
 import ctypes
 import datetime
+import gc
 import importlib
 import importlib.util
 import io
@@ -280,6 +281,10 @@ def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, d
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
+    # Everything alive now (torch, fla: imported here or in the server this rank is forked from)
+    # stays: out of every later collection, which would scan it each time and, in a fork, copy
+    # its pages by touching it.
+    gc.freeze()
     conn.send(("ready", os.getpid()))
     while True:
         try:
