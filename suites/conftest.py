@@ -2,7 +2,8 @@
 
 Marks every collected item with suite(name) and, for GPU suites, gpus(n) so they skip on a
 machine without enough GPUs; and gives a plain pytest run the suite's --tp/--cp/--linattn-*
-defaults for options the user did not set.
+defaults for options the user did not set, and a run of one whole suite (plain `pytest`, or
+`pytest suites/<name>`) the xdist workers its pytest_args name (-n, --dist).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from pytest_linattn.suites import OPTIONS, given_flags, home_suite, load_suites, split_addopts, targeted_suites
 
 _HEADER = pytest.StashKey[tuple]()
+_WORKERS = pytest.StashKey[list]()
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = load_suites(ROOT)
 
@@ -40,6 +42,34 @@ def _user_flags(config) -> set[str]:
     return flags
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which turns -n into workers
+def pytest_cmdline_main(config):
+    """A run of one whole suite takes the -n / --dist of the suite's pytest_args (cpu: -n 2, the
+    cores of the 2-core machines it runs on), unless the user chose (-n, --dist, --tx, or -p
+    no:xdist), runs under torchrun (WORLD_SIZE), or debugs (--pdb, --trace). A run of some files
+    or tests does not: two workers' start-up would cost it more than they save. Nor does an xdist
+    worker, which calls this hook too, with -n reset: it would start workers of its own."""
+    if (hasattr(config, "workerinput") or config.pluginmanager.get_plugin("xdist") is None
+            or os.environ.get("WORLD_SIZE")
+            or config.option.numprocesses is not None or config.option.dist != "no" or config.option.tx
+            or config.getoption("usepdb", False) or config.getoption("trace", False)):
+        return None
+    base = config.rootpath if config.args_source == pytest.Config.ArgsSource.TESTPATHS else config.invocation_params.dir
+    dirs = {(Path(base) / arg).resolve() for arg in config.args}
+    names = [n for n in SUITES if (ROOT / "suites" / n).resolve() in dirs]
+    if len(dirs) != 1 or len(names) != 1:
+        return None
+    args = list(SUITES[names[0]].pytest_args)
+    applied = []
+    for flag, dest in (("-n", "numprocesses"), ("--dist", "dist")):
+        if flag in args[:-1]:
+            value = args[args.index(flag) + 1]
+            setattr(config.option, dest, int(value) if dest == "numprocesses" and value.isdigit() else value)
+            applied.append(f"{flag} {value}")
+    config.stash[_WORKERS] = applied
+    return None
+
+
 def pytest_configure(config):
     # The plugin registers these markers; say what they are also when it is not loaded.
     known = {line.split("(")[0].split(":")[0].strip() for line in config.getini("markers")}
@@ -62,7 +92,7 @@ def pytest_configure(config):
         elif len(values) > 1:
             # One pytest process has one value per option: run one suite at a time instead.
             conflicts.append(option.flag)
-    config.stash[_HEADER] = (sorted(names), applied, conflicts)
+    config.stash[_HEADER] = (sorted(names), applied + config.stash.get(_WORKERS, []), conflicts)
 
 
 def pytest_report_header(config):

@@ -19,6 +19,8 @@ from pytest_linattn.suites import (Suite, SuiteConfigError, _parse_mini_toml, gi
 
 REPO = Path(__file__).resolve().parents[3]
 
+pytest_plugins = ["pytester"]
+
 TOML = """\
 # a suite with no plugin options, so the end-to-end child pytest needs no plugin
 [cpu]
@@ -334,3 +336,30 @@ def test_this_file_is_marked_with_its_home_suite(request):
     assert request.node.get_closest_marker("suite").args == ("cpu",)
     assert request.node.get_closest_marker("gpus") is None
     assert isinstance(load_suites(REPO)["cpu"], Suite)
+
+
+def test_a_run_of_a_whole_suite_takes_its_xdist_workers(pytester, monkeypatch):
+    """suites/conftest.py: `pytest suites/cpu` gets the suite's -n / --dist (suites.toml pytest_args);
+    a run of one file, a user's -n, torchrun (WORLD_SIZE) or -p no:xdist does not."""
+    pytest.importorskip("xdist")
+    monkeypatch.delenv("PYTEST_ADDOPTS", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    pytester.makeini("[pytest]\n")
+    pytester.makefile(".toml", **{"suites/suites": '[cpu]\npytest_args = ["-n", "2", "--dist", "load"]\n'})
+    (pytester.path / "suites/conftest.py").write_text((REPO / "suites/conftest.py").read_text())
+    pytester.makepyfile(**{"suites/cpu/test_where": "import os\n\ndef test_where():\n"
+                           "    print('worker', os.environ.get('PYTEST_XDIST_WORKER'))\n"})
+
+    def header(*args):
+        out = pytester.runpytest_subprocess("--co", *args).stdout.str()
+        return next(line for line in out.splitlines() if line.startswith("home suites:"))
+
+    assert header("suites/cpu").endswith("-n 2, --dist load")
+    for args in (["suites/cpu/test_where.py"], ["suites/cpu", "-n", "0"], ["suites/cpu", "-p", "no:xdist"]):
+        assert "-n" not in header(*args), args
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "-n" not in header("suites/cpu")
+    monkeypatch.delenv("WORLD_SIZE")
+    result = pytester.runpytest_subprocess("suites/cpu", "-s")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*2 workers*"])
