@@ -147,3 +147,12 @@ def assert_fidelity(fla_res, emu_res, name, cu_seqlens=None):
     # cu_seqlens only locates the worst token; the dict also holds states and weight gradients
     assert_parity(fla_res, emu_res, rtol=RTOL, name=name,
                   cu_seqlens=None if cu_seqlens is None else torch.tensor(cu_seqlens))
+
+
+def check_case(cases, name, first_seed):
+    """Case `name` of `cases` (seeded first_seed + its index) through fla's interpreted kernels and
+    the emulation: assert_fidelity of the two."""
+    case = cases[name]
+    seed = first_seed + list(cases).index(name)
+    fla_res, emu_res = run_both(case, seed)
+    assert_fidelity(fla_res, emu_res, f"{name} (seed {seed})", cu_seqlens=case.cu_seqlens)

@@ -9,7 +9,8 @@ fidelity.py says how a case runs and why the bound is 1e-4.
 import pytest
 import torch
 
-from fidelity import F32, F64, RTOL, Case, assert_emulated, assert_fidelity, backward, cotangents, draw, run_both
+from fidelity import (F32, F64, RTOL, Case, assert_emulated, assert_fidelity, backward, check_case, cotangents, draw,
+                      run_both)
 
 CU = [0, 1, 17, 24]  # packed: lengths 1 (shorter than the conv window), 16, 7
 T, N = CU[-1], len(CU) - 1
@@ -68,10 +69,7 @@ CASES = {
 
 @pytest.mark.parametrize("name", CASES)
 def test_emulated_conv_and_norm_match_fla_interpreted(name):
-    case = CASES[name]
-    seed = 4000 + list(CASES).index(name)
-    fla_res, emu_res = run_both(case, seed)
-    assert_fidelity(fla_res, emu_res, f"{name} (seed {seed})", cu_seqlens=case.cu_seqlens)
+    check_case(CASES, name, 4000)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -70,6 +70,13 @@ def test_tp_cp_training_steps_match_replicated(spawn, tp_size, cp_size, family):
 # ---- planted trainer bugs ------------------------------------------------------------------------
 
 
+def _failure(spawn, *args, **kwargs) -> str:
+    """The report of a `_check` that must fail (its checks kept out of the run's parity table)."""
+    with capture_records(), pytest.raises(AssertionError) as info:
+        _check(spawn, *args, **kwargs)
+    return str(info.value)
+
+
 def _reduce_replicated_twice(replicated, module, placement, groups):
     """A finalize that sums over CP, then all-reduces the replicated gradients over TP although
     the layer already did (the class of transformers' replicated_with_grad_allreduce bug)."""
@@ -99,9 +106,7 @@ def test_catches_a_replicated_gradient_reduced_twice(spawn, tp_size):
     layer = linattn_layer(config)
     step = TrainingStep(steps=2, max_norm=MAX_NORM,
                         finalize_grads=functools.partial(_reduce_replicated_twice, layer.replicated))
-    with capture_records(), pytest.raises(AssertionError) as info:  # meant to fail: kept out of the table
-        _check(spawn, "qwen3_5", [Placement(tp=tp_size)], CONTIGUOUS, seed=21, step=step)
-    text = str(info.value)
+    text = _failure(spawn, "qwen3_5", [Placement(tp=tp_size)], CONTIGUOUS, seed=21, step=step)
     assert "step 1/2 (2 micro-batches) grad" in text and "norm.weight" in text, text
     assert "grad norm: the reference's is" in text, text
 
@@ -109,9 +114,7 @@ def test_catches_a_replicated_gradient_reduced_twice(spawn, tp_size):
 @pytest.mark.tp_sizes(2)
 def test_catches_a_grad_norm_counting_replicated_parameters_tp_times(spawn, tp_size):
     step = TrainingStep(steps=2, max_norm=MAX_NORM, grad_norm=_norm_counting_replicated_tp_times)
-    with capture_records(), pytest.raises(AssertionError) as info:  # meant to fail: kept out of the table
-        _check(spawn, "kda", [Placement(tp=tp_size)], CONTIGUOUS, seed=22, step=step)
-    text = str(info.value)
+    text = _failure(spawn, "kda", [Placement(tp=tp_size)], CONTIGUOUS, seed=22, step=step)
     assert "step 1/2 (2 micro-batches) grad norm: the reference's is" in text, text
     assert "TP rank 0, CP rank 0" in text and "TP rank 1, CP rank 0" in text, text
 
@@ -119,7 +122,5 @@ def test_catches_a_grad_norm_counting_replicated_parameters_tp_times(spawn, tp_s
 @pytest.mark.cp_sizes(2)
 def test_catches_a_loss_averaged_per_cp_rank(spawn, cp_size):
     step = TrainingStep(steps=2, max_norm=MAX_NORM, loss=_loss_averaged_per_rank)
-    with capture_records(), pytest.raises(AssertionError) as info:  # meant to fail: kept out of the table
-        _check(spawn, "qwen3_next", [Placement(cp=cp_size)], CONTIGUOUS, seed=23, step=step)
-    text = str(info.value)
+    text = _failure(spawn, "qwen3_next", [Placement(cp=cp_size)], CONTIGUOUS, seed=23, step=step)
     assert "step 1/2 (2 micro-batches) loss" in text and "grad norm" in text, text
