@@ -25,9 +25,10 @@ import io
 import multiprocessing
 import os
 import signal
+import socket
 import sys
 import threading
-from multiprocessing import forkserver, popen_forkserver, spawn, util
+from multiprocessing import connection, forkserver, popen_forkserver, spawn, util
 from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
 
 __all__ = ["Starter", "can_preload_fla", "close_servers", "detach_from_server", "fork_process",
@@ -41,6 +42,7 @@ FLA_PRELOAD = BASE_PRELOAD + ("fla", "linattn.emulation")
 _IMPORT_ENV_PREFIXES = ("TRITON", "FLA_", "TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS_", "KMP_",
                         "CUDA")
 _INTERPRET_ENV = "TRITON_INTERPRET"
+CHAIN_ENV = "LINATTN_RANK_SERVERS"  # "forked": see _ForkedServer
 
 _servers: dict[tuple, forkserver.ForkServer] = {}
 _lock = threading.Lock()
@@ -91,7 +93,7 @@ def preloaded_server(preload: tuple[str, ...], environ=None) -> forkserver.ForkS
     with _lock:
         server = _servers.get(key)
         if server is None:
-            server = forkserver.ForkServer()
+            server = _new_server()
             server.set_forkserver_preload(list(preload))
             _servers[key] = server
         saved = None if environ is os.environ else dict(os.environ)
@@ -105,6 +107,88 @@ def preloaded_server(preload: tuple[str, ...], environ=None) -> forkserver.ForkS
                 os.environ.clear()
                 os.environ.update(saved)
     return server
+
+
+def _new_server() -> forkserver.ForkServer:
+    parent = forkserver._forkserver._forkserver_address  # set in a fork of a server
+    if os.environ.get(CHAIN_ENV) == "forked" and parent is not None:
+        return _ForkedServer(parent)
+    return forkserver.ForkServer()
+
+
+class _ForkedServer(forkserver.ForkServer):
+    """A server forked by the server this process is itself a fork of (CHAIN_ENV=forked: a pytest
+    run of suites/inner_pytest.py), so it starts with that one's imports instead of cold. It is
+    that server's child, not this process's: watched through the exit status that one sends. It
+    exits when this process closes its "alive" pipe or dies, as a cold one does."""
+
+    def __init__(self, parent_address):
+        super().__init__()
+        self._parent = forkserver.ForkServer()
+        self._parent._forkserver_address = parent_address
+        self._parent.ensure_running = lambda: None  # running: this process is a fork of it
+        self._proc = None
+
+    def ensure_running(self):
+        with self._lock:
+            if self._proc is not None and self._proc.is_alive():
+                return
+            self._stop_unlocked()
+            with socket.socket(socket.AF_UNIX) as listener:
+                address = connection.arbitrary_address("AF_UNIX")
+                listener.bind(address)
+                if not util.is_abstract_socket_namespace(address):
+                    os.chmod(address, 0o600)
+                listener.listen()
+                alive_r, alive_w = os.pipe()
+                # what the fork takes as its parent's "alive" copy (and closes): not alive_w
+                self._parent._forkserver_alive_fd = alive_r
+                try:
+                    proc = fork_process(self._parent, target=_serve, name="linattn-rank-server", daemon=True,
+                                        args=(_Fd(listener.fileno()), _Fd(alive_r), list(self._preload_modules),
+                                              list(sys.path), dict(os.environ)))
+                    proc.start()
+                except BaseException:
+                    os.close(alive_w)
+                    raise
+                finally:
+                    os.close(alive_r)
+                    self._parent._forkserver_alive_fd = None
+            self._proc, self._forkserver_address = proc, address
+            self._forkserver_alive_fd, self._forkserver_pid = alive_w, proc.pid
+
+    def _stop_unlocked(self):
+        if self._proc is None:
+            return
+        os.close(self._forkserver_alive_fd)  # the server's signal to exit
+        self._proc.join()
+        if not util.is_abstract_socket_namespace(self._forkserver_address):
+            os.unlink(self._forkserver_address)
+        self._proc = self._forkserver_address = self._forkserver_alive_fd = self._forkserver_pid = None
+
+
+class _Fd:
+    """An fd that goes to a forked process with it (duplicated while the process is pickled)."""
+
+    def __init__(self, fd: int):
+        self.fd = fd
+
+    def __reduce__(self):
+        return _detach, (reduction.DupFd(self.fd),)
+
+
+def _detach(dup) -> int:
+    return dup.detach()
+
+
+def _serve(listener_fd: int, alive_r: int, preload: list, sys_path: list, environ: dict) -> None:
+    """A forked server's body: multiprocessing's forkserver loop, in the caller's sys.path and
+    environment, after importing what its parent server had not."""
+    detach_from_server()
+    sys.path[:] = sys_path
+    os.environ.clear()
+    os.environ.update(environ)
+    forkserver.main(listener_fd, alive_r, preload)
 
 
 def fork_process(server: forkserver.ForkServer, **kwargs) -> multiprocessing.Process:

@@ -26,7 +26,7 @@ def _run(pytester, name: str):
             pytester.makeini(ini)
         junit = pytester.path / "junit.xml"
         result = runpytest_forked(pytester, "-p", "pytest_linattn", "-p", "no:cacheprovider",
-                                  f"--junitxml={junit}", *args, fla=True)
+                                  f"--junitxml={junit}", *args, fla=True, rank_servers=True)
         _RUNS[name] = (result, junit_outcomes(junit))
     return _RUNS[name]
 

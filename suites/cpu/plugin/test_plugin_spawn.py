@@ -22,8 +22,6 @@ from pytest_linattn.ranks import pool
 
 pytest_plugins = ["pytester"]
 
-HERE_PYTHON = sys.executable
-
 RANK_TESTS = r'''
 import os, signal, time
 import pytest
@@ -36,9 +34,8 @@ def rank_info(scale):
     dist.all_reduce(t)
     with open("/proc/self/environ", "rb") as f:  # what the outer test's leak check reads
         tagged = os.environ["LINATTN_LEAK_TAG"].encode() in f.read()
-    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "pid": os.getpid(),
-            "sum": t * scale, "pair": (torch.arange(3) + dist.get_rank(), [dist.get_rank()]),
-            "tagged": tagged}
+    return {"rank": dist.get_rank(), "world": dist.get_world_size(), "pid": os.getpid(), "tagged": tagged,
+            "sum": t * scale, "pair": (torch.arange(3) + dist.get_rank(), [dist.get_rank()])}
 
 
 def raise_on_one():
@@ -173,7 +170,7 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     monkeypatch.setenv("LINATTN_LEAK_TAG", tag)
     junit = pytester.path / "junit.xml"
     result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
-                                        "--linattn-timeout", "60", f"--junitxml={junit}")
+                              "--linattn-timeout", "60", f"--junitxml={junit}")
     outcomes = junit_outcomes(junit)
     assert outcomes == {
         "test_tensors_in_rank_order": "passed", "test_pool_is_reused": "passed",
@@ -197,7 +194,7 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     assert signalled.index("--- rank 1 died") < signalled.index("--- rank 0 raised"), signalled
     segv = text.split("segv_on_one(...) on 2 ranks: rank 1 died with signal SIGSEGV", 1)[1]
     assert "Fatal Python error: Segmentation fault" in segv
-    assert 'test_ranks.py", line 37 in segv_on_one' in segv.split("--- rank 0 raised")[0], segv
+    assert 'test_ranks.py", line 36 in segv_on_one' in segv.split("--- rank 0 raised")[0], segv
     # A parity failure starts at the test's line, not in assert_parity's own source.
     parity = text.split("test_parity_failure_shows_no_library_frames ___", 1)[1]
     parity = parity.split("\n", 1)[1].split("\n_", 1)[0].split("\n- generated", 1)[0]
@@ -217,7 +214,7 @@ def test_hang_times_out_with_every_stack(pytester, monkeypatch):
     monkeypatch.setenv("PIDS_FILE", str(pids_file))
     junit = pytester.path / "junit.xml"
     result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
-                                        "--linattn-timeout", "5", f"--junitxml={junit}")
+                              "--linattn-timeout", "5", f"--junitxml={junit}", rank_servers=True)
     result.assert_outcomes(passed=1, failed=1)
     text = result.stdout.str()
     assert "hang_on_zero(...) on 2 ranks: timed out after 5 s" in text
@@ -251,7 +248,7 @@ def test_deep(spawn):
 '''})
     # (The default prepend mode is what every other test here uses.)
     result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
-                                        "--import-mode=importlib", "tests")
+                              "--import-mode=importlib", "tests", rank_servers=True)
     result.assert_outcomes(passed=1)
 
 
@@ -282,7 +279,7 @@ def test_many(spawn, i):
     for round_ in range(_stress_rounds()):
         start = time.monotonic()
         result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu",
-                                            "-n", "2", "-p", "no:randomly")
+                                  "-n", "2", "-p", "no:randomly")
         text = result.stdout.str()
         assert result.ret == 0, f"round {round_}:\n{text}"
         result.assert_outcomes(passed=20)
@@ -397,7 +394,7 @@ def compare():
 def test_on_ranks(spawn):
     spawn(compare, 2)
 ''')
-    result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu")
+    result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu", rank_servers=True)
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 failed*", "*2 check(s), 1 failed*",
                                  "*test_rank_parity.py::test_on_ranks*rank1:h*FAIL*"])

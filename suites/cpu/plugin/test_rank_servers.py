@@ -1,5 +1,6 @@
 """Where a pool's ranks come from (pytest_linattn.ranks.servers): CPU ranks forked from a server
-that imported torch (and fla) once, in this process's environment of now; CUDA ranks spawned.
+that imported torch (and fla) once, in this process's environment of now; CUDA ranks spawned; a
+forked pytest run's (suites/inner_pytest.py) rank servers cold, or forked from its own server.
 
 That no rank and no server outlives its pytest (Ctrl-C, SIGKILL) is test_plugin_spawn's
 test_no_rank_outlives_its_pytest; that two xdist workers' pools never meet, its
@@ -14,6 +15,8 @@ import pytest
 
 from pytest_linattn.ranks import servers
 from pytest_linattn.ranks.pool import Pool, PoolManager, xdist_thread_share
+
+pytest_plugins = ["pytester"]
 
 
 def rank_facts(name):
@@ -88,3 +91,32 @@ def test_spawned_ranks_still_work(monkeypatch):
     finally:
         pool.close()
     assert [f["ppid"] for f in facts] == [os.getpid()] * 2 and [f["env"] for f in facts] == ["spawn"] * 2
+
+
+RANK_SERVER_OF_A_FORKED_RUN = r'''
+import os
+
+
+def server_and_its_parent():
+    with open(f"/proc/{os.getppid()}/stat") as f:
+        return os.getppid(), int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_where(spawn):
+    (server, parent), _ = spawn(server_and_its_parent, 2)
+    with open("where.txt", "w") as f:
+        f.write(f"{os.getpid()} {server} {parent}")
+'''
+
+
+@pytest.mark.parametrize("rank_servers", [False, True], ids=["cold", "forked"])
+def test_a_forked_pytest_runs_rank_servers_of_its_own_or_forked_from_its_server(pytester, rank_servers):
+    """suites/inner_pytest.py: the inner session's rank server is its own child (cold), or, with
+    rank_servers=True, a fork of the server the inner session itself was forked from."""
+    from inner_pytest import TORCH, _START_ENVIRON, runpytest_forked
+
+    pytester.makepyfile(test_where=RANK_SERVER_OF_A_FORKED_RUN)
+    runpytest_forked(pytester, "-p", "pytest_linattn", rank_servers=rank_servers).assert_outcomes(passed=1)
+    inner, server, parent = map(int, (pytester.path / "where.txt").read_text().split())
+    zygote = servers.preloaded_server(TORCH, environ=_START_ENVIRON)._forkserver_pid
+    assert parent == (zygote if rank_servers else inner) and server not in (inner, zygote)
