@@ -46,7 +46,8 @@ def _user_flags(config) -> set[str]:
 def pytest_cmdline_main(config):
     """A run of one whole suite takes the -n / --dist of the suite's pytest_args (cpu: -n 2, the
     cores of the 2-core machines it runs on), unless the user chose (-n, --dist, --tx, or -p
-    no:xdist), runs under torchrun (WORLD_SIZE), or debugs (--pdb, --trace). A run of some files
+    no:xdist), runs under torchrun (WORLD_SIZE), or debugs (--pdb, --trace), or the machine has
+    fewer GPUs than the suite needs (its tests skip). A run of some files
     or tests does not: two workers' start-up would cost it more than they save. Nor does an xdist
     worker, which calls this hook too, with -n reset: it would start workers of its own."""
     if (hasattr(config, "workerinput") or config.pluginmanager.get_plugin("xdist") is None
@@ -59,6 +60,11 @@ def pytest_cmdline_main(config):
     names = [n for n in SUITES if (ROOT / "suites" / n).resolve() in dirs]
     if len(dirs) != 1 or len(names) != 1:
         return None
+    if SUITES[names[0]].gpus:
+        from pytest_linattn.ranks.gpus import gpu_count
+
+        if gpu_count() < SUITES[names[0]].gpus:
+            return None  # its tests skip: no worker needed
     args = list(SUITES[names[0]].pytest_args)
     applied = []
     for flag, dest in (("-n", "numprocesses"), ("--dist", "dist")):
