@@ -96,7 +96,7 @@ def test_fault(spawn, step, monkeypatch):
         # connection) before rank 0's watchdog has seen it, as on a loaded two-core machine
         monkeypatch.setattr(launcher_watchdog, "WATCH", 1.5)
     if fault == "hang":
-        spawn.timeout = 4  # the others run at 120 s, which they must not wait for
+        spawn.timeout = 2  # the others run at 120 s, which they must not wait for
     fn = {"raise": raise_in_collective, "raise_late_watchdog": raise_in_collective, "exit": exit_on_one,
           "hang": hang_on_zero}[fault]
     spawn(fn, 2)
@@ -166,7 +166,7 @@ def test_faults_under_torchrun(pytester):
         assert "rank 0 stack at the abort (it had not returned)" in raised and "in barrier" in raised
         assert "a new process group replaced the old one, and the session goes on" in raised
     hung = reports["hang"]
-    assert "hang_on_zero(...) on 2 ranks (launcher mode, call 9): timed out after 4 s" in hung
+    assert "hang_on_zero(...) on 2 ranks (launcher mode, call 9): timed out after 2 s" in hung
     assert "rank 0 stack at the abort" in hung and "rank 1 stack at the abort" in hung
     assert "time.sleep(600)" in hung and "in barrier" in hung
     assert "a new process group replaced the old one" in hung
@@ -183,7 +183,7 @@ def test_faults_under_torchrun(pytester):
     print("durations:", durations)
     for fault in ("raise", "raise_late_watchdog", "exit"):
         assert durations[f"test_fault[{fault}]"] < 40, durations  # not the 120 s timeout
-    assert durations["test_fault[hang]"] < 4 + 10 + 10, durations  # timeout + 10 s, with load
+    assert durations["test_fault[hang]"] < 2 + 10 + 10, durations  # timeout + 10 s, with load
     assert not no_leftovers(tag), "a rank outlived its torchrun"
 
 

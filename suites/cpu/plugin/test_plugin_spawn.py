@@ -315,8 +315,8 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
     env = {**os.environ, "PIDS_FILE": str(pids_file), "LINATTN_LEAK_TAG": tag}
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_linattn", "-q",
                              "-p", "no:cacheprovider", "--linattn-device", "cpu", "test_sleeper.py"],
-                            cwd=pytester.path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT)
+                            cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even if ignored here
     try:
         deadline = time.monotonic() + 120
         while not (pids_file.exists() and pids_file.read_text()) and time.monotonic() < deadline:
