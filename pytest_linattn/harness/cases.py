@@ -149,10 +149,12 @@ class TrainingStep:
         (`y`, `dy` its tokens; `tokens` the micro-batch's whole count): the micro-batch's loss is
         the sum of the parts over the ranks holding different tokens. On the reference (the
         whole batch) it is the loss. Default `(y * dy).sum() / (tokens * micro_batches)`: a
-        token mean over the whole micro-batch, averaged over the micro-batches.
+        token mean over the whole micro-batch, averaged over the micro-batches (the step's
+        whole count, over every data-parallel rank).
     finalize_grads(module, placement, groups): the trainer's reduction once all micro-batches'
         backwards are done (Megatron's finalize_model_grads). Default: every gradient summed
-        over the CP group (each CP rank holds the partial sum over its tokens).
+        over the CP group (each CP rank holds the partial sum over its tokens) and, with
+        data-parallel replicas, over their DP ranks too (each holds its micro-batches' part).
     grad_norm(module, placement, groups) -> 0-dim tensor: the global gradient norm, the same on
         every rank. Default: every parameter counted once: TP-sharded squares summed over the TP
         group, TP-replicated ones (`ShardedLayer.replicated`; in a module holding DTensors, every

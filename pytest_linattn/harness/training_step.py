@@ -16,9 +16,12 @@ every gradient after the reduction and every parameter after the step: TP-sharde
 the client's `unshard` on every CP rank, TP-replicated ones equal on every TP rank. A failure
 names the case, the step, the micro-batch count, the tensor and the TP / CP rank.
 
+With data_parallel = D > 1 the world is D copies of the placement (Megatron order: DP outermost)
+and DP rank d takes micro-batches d, d + D, ... of every step: the reference still runs them all,
+so the reduction over DP (the default: summed with CP) and the loss's normalisation must agree.
+
 The client's layer is a `ShardedLayer` (see `pytest_linattn.harness.cases`; `unshard` is given
-parameters as well as gradients: they share a layout). A world of tp * cp ranks: no data-parallel
-replicas (they would see the same data). What the ranks run: `training_step_rank`.
+parameters as well as gradients: they share a layout). What the ranks run: `training_step_rank`.
 """
 
 from __future__ import annotations
@@ -44,10 +47,15 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
                            micro_batches, *, hidden_size: int, seed: int, rtol: float,
                            step: TrainingStep = TrainingStep(), output_size: int | None = None,
                            dtype: torch.dtype = torch.float64, bitwise_replicated: bool = True,
-                           reference_forward: Callable | None = None, name: str = "") -> list[dict]:
+                           reference_forward: Callable | None = None, name: str = "",
+                           data_parallel: int = 1) -> list[dict]:
     """`layer` at every placement trained as `step` says, against `reference` trained alike.
 
     micro_batches: one packing (cu_seqlens) per micro-batch; every step runs them all.
+    data_parallel: D data-parallel replicas of every placement (a world of D * tp * cp ranks); DP
+    rank d runs micro-batches d, d + D, ...: their count must be a multiple of D. The loss's
+    `micro_batches` argument is still the step's whole count, so the default loss and reduction
+    (a sum over CP and DP) give the reference's gradients.
     x `[1, T, hidden_size]` and dy `[1, T, output_size or hidden_size]` are drawn from N(0, 1)
     per step and micro-batch, seeded by `seed`. `reference` is not changed (a copy trains).
     bitwise_replicated: TP-replicated gradients and parameters must be bit-identical across TP
@@ -65,6 +73,7 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
     if not isinstance(step, TrainingStep):
         raise ValueError(f"step must be a TrainingStep, got {type(step).__name__}")
     positive_int(hidden_size, "hidden_size")
+    positive_int(data_parallel, "data_parallel")
     if output_size is not None:
         positive_int(output_size, "output_size")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -75,6 +84,10 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
     if isinstance(micro_batches, torch.Tensor) or not isinstance(micro_batches, Sequence) or not micro_batches:
         raise ValueError("micro_batches must be a non-empty list of cu_seqlens, one packed batch per micro-batch")
     packings = [as_cu_seqlens(cu) for cu in micro_batches]
+    if len(packings) % data_parallel:
+        raise ValueError(f"micro_batches: {len(packings)} micro-batches cannot be dealt evenly to data_parallel="
+                         f"{data_parallel} ranks (DP rank d runs micro-batches d, d + {data_parallel}, ...): "
+                         f"give a multiple of {data_parallel}")
     for p in placements:
         for m, cu in enumerate(packings):
             try:
@@ -93,13 +106,14 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
     prefix = f"{name}/" if name else ""
     worlds: dict[int, list[Placement]] = {}
     for p in placements:
-        worlds.setdefault(p.size, []).append(p)
+        worlds.setdefault(p.size * data_parallel, []).append(p)
+    dp_name = f"/dp{data_parallel}" if data_parallel > 1 else ""
     for world, group in worlds.items():
-        cases = [RankTraining(layer, p, weights, packings, xs, dys, dtype, step) for p in group]
+        cases = [RankTraining(layer, p, weights, packings, xs, dys, dtype, step, data_parallel) for p in group]
         per_rank = spawn(run_training_on_rank, world, cases)
         for j, p in enumerate(group):
             _check_steps(layer, p, [r[j] for r in per_rank], ref_steps, rtol, bitwise_replicated,
-                         f"{prefix}{p.name}/seed{seed}", len(packings))
+                         f"{prefix}{p.name}{dp_name}/seed{seed}", len(packings), data_parallel)
     return [{"loss": float(loss), "grad_norm": float(norm),
              "clipped": step.max_norm is not None and float(norm) > step.max_norm}
             for loss, norm, _, _ in ref_steps]
@@ -133,7 +147,7 @@ def _reference_steps(reference, packings, xs, dys, step: TrainingStep, reference
     return steps
 
 
-def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_name, micro_batches) -> None:
+def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_name, micro_batches, dp) -> None:
     """Every step's checks; one AssertionError with all that fail, naming step and ranks."""
     __tracebackhide__ = True
     tp, cp = p.tp, p.cp
@@ -157,28 +171,27 @@ def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_na
     for s, (loss_ref, norm_ref, grads_ref, weights_ref) in enumerate(ref_steps):
         label = f"{case_name} step {s + 1}/{len(ref_steps)} ({micro_batches} micro-batches)"
 
-        def at(t, c, s=s):
-            return results[t + tp * c][s]
+        def at(t, c, d, s=s):
+            return results[t + tp * (c + cp * d)][s]
 
         # the loss: parts of ranks holding different tokens add up (every TP rank holds its CP
-        # rank's tokens unless SP splits them)
-        holders = [(t, c) for c in range(cp) for t in (range(tp) if p.sequence_parallel else (0,))]
-        collect(assert_parity, sum(at(t, c)[0] for t, c in holders), loss_ref, rtol=rtol, name=f"{label} loss")
+        # rank's tokens unless SP splits them; DP ranks hold different micro-batches)
+        holders = [(t, c, d) for d in range(dp) for c in range(cp) for t in (range(tp) if p.sequence_parallel else (0,))]
+        collect(assert_parity, sum(at(*h)[0] for h in holders), loss_ref, rtol=rtol, name=f"{label} loss")
         if not p.sequence_parallel:
-            for t in range(1, tp):
-                for c in range(cp):
-                    collect(assert_parity, at(t, c)[0], at(0, c)[0], rtol=rtol,
-                            name=f"{label} loss part of TP rank {t} vs TP rank 0 (CP rank {c}), the same tokens")
-        collect(_check_norms, {(t, c): at(t, c)[1] for t in range(tp) for c in range(cp)}, norm_ref, rtol,
-                f"{label} grad norm")
+            for t, c, d in ((t, c, d) for t in range(1, tp) for c in range(cp) for d in range(dp)):
+                collect(assert_parity, at(t, c, d)[0], at(0, c, d)[0], rtol=rtol,
+                        name=f"{label} loss part of TP rank {t} vs TP rank 0 ({_ranks(c, d, dp)}), the same tokens")
+        collect(_check_norms, {(t, c, d): at(t, c, d)[1] for d in range(dp) for c in range(cp) for t in range(tp)},
+                norm_ref, rtol, f"{label} grad norm", dp)
         for k, what, ref in ((2, "grad", grads_ref), (3, "weight", weights_ref)):
-            for c in range(cp):
-                where = f" (CP rank {c})" if cp > 1 else ""
+            for c, d in ((c, d) for d in range(dp) for c in range(cp)):
+                where = f" ({_ranks(c, d, dp)})" if cp * dp > 1 else ""
                 if tp > 1:
                     for n in sorted(layer.replicated):
-                        collect(check_replicated, label, n, [at(t, c)[k][n] for t in range(tp)], where, rtol,
+                        collect(check_replicated, label, n, [at(t, c, d)[k][n] for t in range(tp)], where, rtol,
                                 bitwise, what=what)
-                whole = layer.unshard([at(t, c)[k] for t in range(tp)], p)
+                whole = layer.unshard([at(t, c, d)[k] for t in range(tp)], p)
                 collect(assert_parity, whole, ref, rtol=rtol, name=f"{label} {what}{where}", describe=describe,
                         activations=False)
     if failures:
@@ -186,16 +199,20 @@ def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_na
                              + "\n\n".join(failures))
 
 
-def _check_norms(norms: dict, ref: torch.Tensor, rtol: float, name: str) -> None:
+def _ranks(c: int, d: int, dp: int) -> str:
+    return f"CP rank {c}" + (f", DP rank {d}" if dp > 1 else "")
+
+
+def _check_norms(norms: dict, ref: torch.Tensor, rtol: float, name: str, dp: int) -> None:
     """Every rank's gradient norm against the reference's, naming the ranks that are off."""
     __tracebackhide__ = True
     expected = float(ref)
     off = []
-    for (t, c), norm in norms.items():
+    for (t, c, d), norm in norms.items():
         got = float(norm)
         err = abs(got - expected) / abs(expected) if expected else abs(got)
         if not math.isfinite(got) or not err <= rtol:
-            off.append(f"TP rank {t}, CP rank {c}: {got:.6e} (relative error {err:.2e})")
+            off.append(f"TP rank {t}, {_ranks(c, d, dp)}: {got:.6e} (relative error {err:.2e})")
     if off:
         raise AssertionError(f"{name}: the reference's is {expected:.6e} (rtol {rtol:.0e}); off on "
                              f"{len(off)} of {len(norms)} rank(s):\n  " + "\n  ".join(off))

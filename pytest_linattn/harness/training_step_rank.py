@@ -30,6 +30,7 @@ class RankTraining:
     dy: list
     dtype: torch.dtype
     step: TrainingStep
+    data_parallel: int = 1  # DP rank d takes micro-batches d, d + data_parallel, ...
 
 
 def default_loss(y, dy, tokens, micro_batches):
@@ -38,7 +39,7 @@ def default_loss(y, dy, tokens, micro_batches):
 
 
 def sum_grads_over(module: torch.nn.Module, group) -> None:
-    """Every gradient summed over `group` (the default reduction: over the CP group)."""
+    """Every gradient summed over `group` (the default reduction: over the CP and DP ranks)."""
     import torch.distributed as dist
 
     if group is None:
@@ -84,16 +85,31 @@ def run_training_on_rank(cases):
         p, make = case.placement, case.layer.process_groups
         if (make, p.tp, p.cp) not in made:
             groups = make(p)
-            # the harness's own reductions need (tp_group, cp_group) whatever the client's groups are
-            own = groups if make is default_process_groups else default_process_groups(p)
-            made[(make, p.tp, p.cp)] = (groups, own)
+            # the harness's own reductions need the TP group and the group of this rank's CP and DP
+            # peers (the ranks of its TP rank), whatever the client's groups are
+            tp_group, cp_group = groups if make is default_process_groups else default_process_groups(p)
+            peers = cp_group if dist.get_world_size() == p.size else _same_tp_rank_group(p.tp, rank)
+            made[(make, p.tp, p.cp)] = (groups, (tp_group, peers))
         results.append(_train(case, *made[(make, p.tp, p.cp)], rank, device))
     return results
 
 
+def _same_tp_rank_group(tp: int, rank: int):
+    """The ranks holding the same TP shard: every CP and DP rank of this rank's TP rank.
+    Collective: every rank makes every group."""
+    import torch.distributed as dist
+
+    world, mine = dist.get_world_size(), None
+    for t in range(tp):
+        group = dist.new_group(list(range(t, world, tp)))
+        if t == rank % tp:
+            mine = group
+    return mine
+
+
 def _train(case: RankTraining, groups, own, rank: int, device):
     p, layer, step = case.placement, case.layer, case.step
-    tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
+    tp_rank, cp_rank, dp_rank = rank % p.tp, rank // p.tp % p.cp, rank // (p.tp * p.cp)
     module = layer.build(p, groups, case.dtype, device)
     if layer.shard is not None:
         load_shard(module, layer.shard(case.weights, p, tp_rank))
@@ -105,7 +121,8 @@ def _train(case: RankTraining, groups, own, rank: int, device):
     for s in range(step.steps):
         optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64)
-        for m, cu in enumerate(case.micro_batches):
+        for m in range(dp_rank, M, case.data_parallel):  # this DP rank's share of the step's micro-batches
+            cu = case.micro_batches[m]
             index = rank_token_index(cu, p, tp_rank, cp_rank)
             x = case.x[s][m][:, index].to(device, case.dtype)
             dy = case.dy[s][m][:, index].to(device, case.dtype)

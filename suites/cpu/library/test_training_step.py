@@ -1,8 +1,9 @@
 """The project's layers inside a trainer's steps (the public harness's assert_training_parity).
 
 Every family (GDN in the qwen3_next and qwen3_5 layouts, KDA) at TP 2/4 (SP off and on), CP 2/4
-in both layouts and TP x CP = 2 x 2 (SP, both layouts): 2 micro-batches of different packings
-accumulating, the harness's own reduction (gradients summed over CP) and gradient norm (each
+in both layouts, TP x CP = 2 x 2 (SP, both layouts), and 2 data-parallel replicas of TP 2 and of
+CP 2: micro-batches of different packings accumulating (2 a step; with DP 4, 2 on each replica),
+the harness's own reduction (gradients summed over CP and DP) and gradient norm (each
 parameter counted once), clipping that bites (max_norm under every step's norm), AdamW, 2 steps.
 After every step the loss, every rank's gradient norm, every gradient and every parameter match
 the replicated layer trained alike (float64, <= 1e-10).
@@ -37,11 +38,11 @@ def _reference(config, seed):
     return reference
 
 
-def _check(spawn, family, placements, packings, seed, step=CLIPPED, layer=None, ratio=2):
+def _check(spawn, family, placements, packings, seed, step=CLIPPED, layer=None, ratio=2, data_parallel=1):
     config = make_config(family, ratio)
     steps = assert_training_parity(spawn, layer or linattn_layer(config), _reference(config, seed), placements,
                                    packings, hidden_size=config.hidden_size, seed=seed, rtol=RTOL, step=step,
-                                   name=family)
+                                   name=family, data_parallel=data_parallel)
     assert all(s["clipped"] for s in steps), f"clipping must bite on every step: {steps}"
 
 
@@ -65,6 +66,15 @@ def test_tp_cp_training_steps_match_replicated(spawn, tp_size, cp_size, family):
     _check(spawn, family, [Placement(tp_size, cp_size, "contiguous", True)], CONTIGUOUS, seed=14, ratio=1)
     _check(spawn, family, [Placement(tp_size, cp_size, "zigzag", True), Placement(tp_size, cp_size, "zigzag")],
            ZIGZAG, seed=15)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_data_parallel_replicas_training_steps_match_replicated(spawn, family):
+    # 2 replicas of TP 2 + SP, then of CP 2: 4 micro-batches a step, 2 on each DP rank, the
+    # default reduction summing over CP and DP
+    _check(spawn, family, [Placement(tp=2, sequence_parallel=True)], CONTIGUOUS + CONTIGUOUS[::-1], seed=16,
+           data_parallel=2)
+    _check(spawn, family, [Placement(cp=2, cp_layout="zigzag")], ZIGZAG + ZIGZAG[::-1], seed=17, data_parallel=2)
 
 
 # ---- planted trainer bugs ------------------------------------------------------------------------

@@ -109,6 +109,57 @@ def test_a_reduction_per_backward_passes_one_backward_but_not_accumulation(spawn
     assert re.search(r"step 1/2 \(2 micro-batches\) grad: 1 of 3 tensor\(s\) off.*\n.*\n\s+norm_weight ", text), text
 
 
+# Data-parallel replicas: the client's groups add a DP group (the ranks of the same TP and CP rank),
+# and its reduction sums every gradient over it; DP rank d trains micro-batches d, d + 2, ...
+def _groups_with_dp(placement):
+    from linattn.parallel import new_groups
+
+    tp, cp, world, rank = placement.tp, placement.cp, dist.get_world_size(), dist.get_rank()
+    dp_group = None
+    for first in range(tp * cp):
+        group = dist.new_group(list(range(first, world, tp * cp)))
+        if rank % (tp * cp) == first:
+            dp_group = group
+    return (*new_groups(tp, cp), dp_group)
+
+
+def _finalize_with_dp(module, placement, groups):
+    _reduce_norm_weight(module, placement)
+    for q in module.parameters():
+        dist.all_reduce(q.grad, group=groups[2])
+
+
+def _finalize_averaging_dp(module, placement, groups):
+    """Averages over DP, as DDP does, while the loss already divides by every micro-batch of the step."""
+    _finalize_with_dp(module, placement, groups)
+    for q in module.parameters():
+        q.grad /= dist.get_world_size(groups[2])
+
+
+WITH_DP = ShardedLayer(_build, _shard, _unshard, replicated={"norm_weight"}, process_groups=_groups_with_dp)
+FOUR_MICRO_BATCHES = MICRO_BATCHES + [[0, 16], [0, 5, 6, 16]]
+
+
+def test_data_parallel_replicas_with_a_sum_over_dp_match(spawn):
+    steps = assert_training_parity(spawn, WITH_DP, _reference(), [Placement(tp=2)], FOUR_MICRO_BATCHES,
+                                   hidden_size=DIM, seed=5, rtol=RTOL, data_parallel=2,
+                                   step=TrainingStep(steps=2, max_norm=0.05, finalize_grads=_finalize_with_dp))
+    assert all(s["clipped"] for s in steps), steps
+
+
+@pytest.mark.parametrize("finalize", [_finalize_averaging_dp, _finalize_once], ids=["averaged-over-dp", "no-dp-reduction"])
+def test_a_wrong_reduction_over_data_parallel_replicas_is_caught(spawn, finalize):
+    with capture_records(), pytest.raises(AssertionError) as info:  # meant to fail: kept out of the table
+        assert_training_parity(spawn, WITH_DP, _reference(), [Placement(tp=2)], FOUR_MICRO_BATCHES, hidden_size=DIM,
+                               seed=5, rtol=RTOL, data_parallel=2,
+                               step=TrainingStep(steps=2, max_norm=0.05, finalize_grads=finalize))
+    text = str(info.value)
+    assert "training-step parity failed for case tp2/dp2/seed5" in text, text
+    assert "step 1/2 (4 micro-batches) grad norm: the reference's is" in text, text
+    for d in (0, 1):  # every gradient off on both replicas, each named
+        assert re.search(rf"step 1/2 \(4 micro-batches\) grad \(CP rank 0, DP rank {d}\): 3 of 3 tensor", text), text
+
+
 def _optimizer_lambda():
     return lambda params: torch.optim.SGD(params, lr=0.1)
 
@@ -129,6 +180,11 @@ def _optimizer_lambda():
     (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
                                     seed=1, rtol=RTOL, step=functools.partial(TrainingStep)),
      r"step must be a TrainingStep"),
+    (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
+                                    seed=1, rtol=RTOL, data_parallel=0), r"data_parallel must be a positive int"),
+    (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(tp=2)], MICRO_BATCHES[:1] * 3,
+                                    hidden_size=DIM, seed=1, rtol=RTOL, data_parallel=2),
+     r"micro_batches: 3 micro-batches cannot be dealt evenly to data_parallel=2 ranks"),
 ])
 def test_bad_input_is_a_value_error_before_any_rank_runs(make, rule):
     with pytest.raises(ValueError, match=rule):
