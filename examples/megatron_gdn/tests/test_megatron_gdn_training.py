@@ -7,6 +7,7 @@ finalize_model_grads, its optimizer's gradient norm (FP32Optimizer.get_grad_norm
 it counts, reduced over the model-parallel group), clipping that bites (MAX_NORM under every
 step's norm) by clip_grad_by_total_norm_fp32's arithmetic, AdamW; 2 steps. After each step: the
 loss, every rank's gradient norm, every gradient and every parameter (megatron_gdn.training).
+With 2 data-parallel replicas too (4 micro-batches a step, 2 on each; DDP's DP x CP all-reduce).
 
 Tolerance: RTOL = 1e-6 as in test_megatron_gdn.py (Megatron's alpha / gate float32 casts); the
 gradient norm adds get_grad_norm_fp32's float32 sum (measured: 1e-8 to 3e-8).
@@ -29,15 +30,22 @@ MAX_NORM = 5.0  # the reference's norms are 10.5 and 11.3 (seed 6), 14.8 and 16.
 MICRO_BATCHES = [[0, 8, 24, 32], [0, 24, 32]]
 
 
-def train(spawn, placements, seed):
+def train(spawn, placements, seed, data_parallel=1):
     steps = assert_training_parity(spawn, megatron_gdn_training(packed=True), reference(seed), placements,
-                                   MICRO_BATCHES, hidden_size=CONFIG.hidden_size, seed=seed, rtol=RTOL,
-                                   step=megatron_training_step(MAX_NORM), name="megatron-train")
+                                   MICRO_BATCHES * data_parallel, hidden_size=CONFIG.hidden_size, seed=seed,
+                                   rtol=RTOL, step=megatron_training_step(MAX_NORM), name="megatron-train",
+                                   data_parallel=data_parallel)
     assert all(s["clipped"] for s in steps), f"clipping must bite on every step: {steps}"
 
 
 def test_training_steps_with_sp_and_cp(spawn):
     train(spawn, [TP2_SP, CP2, TP2_CP2_SP], seed=6)
+
+
+def test_training_steps_with_data_parallel_replicas(spawn):
+    # 2 DP replicas (parallel_state's data-parallel size: world / (tp x cp)), 2 micro-batches each:
+    # DDP's all-reduce over DP x CP sums what each replica accumulated
+    train(spawn, [TP2_SP, CP2], seed=6, data_parallel=2)
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
