@@ -161,6 +161,8 @@ class TrainingStep:
         plain parameter) once, DTensor gradients whole.
     clip(params, max_norm, total_norm): scale the gradients; default
         `torch.nn.utils.clip_grads_with_norm_`.
+    zero_grads(module, optimizer): at each step's start, before the first micro-batch (Megatron's
+        train_step zeroes its DDP grad buffers here); default `optimizer.zero_grad(set_to_none=True)`.
     """
 
     steps: int = 2
@@ -170,6 +172,7 @@ class TrainingStep:
     finalize_grads: Callable | None = None
     grad_norm: Callable | None = None
     clip: Callable | None = None
+    zero_grads: Callable | None = None
 
     def __post_init__(self):
         positive_int(self.steps, "TrainingStep.steps")
@@ -178,7 +181,7 @@ class TrainingStep:
             raise ValueError(f"TrainingStep.max_norm must be None or a positive finite number, got {self.max_norm!r}")
         if not callable(self.optimizer):
             raise ValueError(f"TrainingStep.optimizer must be callable, got {self.optimizer!r}")
-        for field in ("loss", "finalize_grads", "grad_norm", "clip"):
+        for field in ("loss", "finalize_grads", "grad_norm", "clip", "zero_grads"):
             if getattr(self, field) is not None and not callable(getattr(self, field)):
                 raise ValueError(f"TrainingStep.{field} must be callable or None, got {getattr(self, field)!r}")
         try:

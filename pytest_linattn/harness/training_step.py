@@ -5,7 +5,7 @@ after every micro-batch instead of once, a replicated weight counted tp times in
 norm, a loss averaged per CP rank. `assert_training_parity` runs, on every rank of a `spawn`
 world and for the replicated reference alike, S steps of:
 
-    zero the gradients
+    zero the gradients (TrainingStep.zero_grads; default: the optimizer's zero_grad)
     for each micro-batch (its own packed batch): forward, loss part, backward, after_backward
     the trainer's reduction (TrainingStep.finalize_grads; default: sum over the CP group)
     the global gradient norm (TrainingStep.grad_norm; default: each parameter counted once)

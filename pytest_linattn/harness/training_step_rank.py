@@ -119,7 +119,10 @@ def _train(case: RankTraining, groups, own, rank: int, device):
     M = len(case.micro_batches)
     snapshots = []
     for s in range(step.steps):
-        optimizer.zero_grad(set_to_none=True)
+        if step.zero_grads is not None:
+            step.zero_grads(module, optimizer)
+        else:
+            optimizer.zero_grad(set_to_none=True)
         loss = torch.zeros((), dtype=torch.float64)
         for m in range(dp_rank, M, case.data_parallel):  # this DP rank's share of the step's micro-batches
             cu = case.micro_batches[m]

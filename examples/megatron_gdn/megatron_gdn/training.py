@@ -2,6 +2,7 @@
 
 What a Megatron trainer runs, each piece Megatron's own where it runs on a CPU:
 
+    zero_grads       at a step's start, DDP's zero_grad_buffer and the optimizer's zero_grad
     the layer        wrapped in megatron.core's DistributedDataParallel (`build`): its grad
                      buffers and backward hooks accumulate every micro-batch into main_grad
     finalize_grads   megatron.core's finalize_model_grads on the DDP chunk: DDP's DP x CP
@@ -36,7 +37,7 @@ from megatron.core.optimizer.optimizer import FP32Optimizer
 from pytest_linattn import ShardedLayer, TrainingStep
 
 __all__ = ["PREFIX", "build", "clip", "finalize_grads", "grad_norm", "megatron_gdn_training",
-           "megatron_training_step", "shard", "unshard"]
+           "megatron_training_step", "shard", "unshard", "zero_grads"]
 
 # DistributedDataParallel's parameter names: the wrapped layer's, under "module."
 PREFIX = "module."
@@ -73,9 +74,13 @@ def finalize_grads(ddp, placement, groups):
             # FP32Optimizer.prepare_grads sets param.grad = param.main_grad (a view of DDP's
             # buffer); a copy here, because the buffer is zeroed next
             q.grad = q.main_grad.clone()
-    # Megatron's train_step zeroes the grad buffers before the next step's micro-batches;
-    # TrainingStep has no hook at a step's start, so it is done here, once the grads are taken
+
+
+def zero_grads(ddp, optimizer):
+    """What Megatron's train_step does before a step's micro-batches: DDP's grad buffers (the
+    main_grads its hooks accumulate into) zeroed, then the optimizer's gradients."""
     ddp.zero_grad_buffer()
+    optimizer.zero_grad(set_to_none=True)
 
 
 def grad_norm(ddp, placement, groups):
@@ -117,7 +122,7 @@ def megatron_gdn_training(packed: bool, family: str = "qwen3_5") -> ShardedLayer
                         forward=client.forward_packed if packed else client.forward_unpacked)
 
 
-def megatron_training_step(max_norm: float, steps: int = 2) -> TrainingStep:
-    """Megatron's finalize, gradient norm and clipping around the harness's AdamW."""
+def megatron_training_step(max_norm: float, steps: int = 2, zero=zero_grads) -> TrainingStep:
+    """Megatron's zeroing, finalize, gradient norm and clipping around the harness's AdamW."""
     return TrainingStep(steps=steps, max_norm=max_norm, finalize_grads=finalize_grads, grad_norm=grad_norm,
-                        clip=clip)
+                        clip=clip, zero_grads=zero)

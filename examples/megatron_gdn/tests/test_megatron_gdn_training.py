@@ -20,6 +20,7 @@ from megatron_gdn import cpu
 from megatron_gdn.client import CONFIG
 from megatron_gdn.training import megatron_gdn_training, megatron_training_step
 from pytest_linattn import assert_training_parity
+from pytest_linattn.parity import capture_records
 from test_megatron_gdn import CP2, RTOL, TP2, TP2_CP2, TP2_CP2_SP, TP2_SP, reference
 
 pytestmark = pytest.mark.usefixtures("fla_on_cpu")
@@ -30,11 +31,10 @@ MAX_NORM = 5.0  # the reference's norms are 10.5 and 11.3 (seed 6), 14.8 and 16.
 MICRO_BATCHES = [[0, 8, 24, 32], [0, 24, 32]]
 
 
-def train(spawn, placements, seed, data_parallel=1):
+def train(spawn, placements, seed, data_parallel=1, step=megatron_training_step(MAX_NORM)):
     steps = assert_training_parity(spawn, megatron_gdn_training(packed=True), reference(seed), placements,
                                    MICRO_BATCHES * data_parallel, hidden_size=CONFIG.hidden_size, seed=seed,
-                                   rtol=RTOL, step=megatron_training_step(MAX_NORM), name="megatron-train",
-                                   data_parallel=data_parallel)
+                                   rtol=RTOL, step=step, name="megatron-train", data_parallel=data_parallel)
     assert all(s["clipped"] for s in steps), f"clipping must bite on every step: {steps}"
 
 
@@ -46,6 +46,20 @@ def test_training_steps_with_data_parallel_replicas(spawn):
     # 2 DP replicas (parallel_state's data-parallel size: world / (tp x cp)), 2 micro-batches each:
     # DDP's all-reduce over DP x CP sums what each replica accumulated
     train(spawn, [TP2_SP, CP2], seed=6, data_parallel=2)
+
+
+def zero_only_the_optimizer(ddp, optimizer):
+    """A hand-written loop's zeroing that forgets DDP's grad buffers: main_grad keeps step 1."""
+    optimizer.zero_grad(set_to_none=True)
+
+
+def test_a_step_that_leaves_ddp_grad_buffers_unzeroed_is_caught(spawn):
+    with capture_records(), pytest.raises(AssertionError) as info:  # meant to fail: kept out of the table
+        train(spawn, [TP2_SP], seed=6, step=megatron_training_step(MAX_NORM, zero=zero_only_the_optimizer))
+    text = str(info.value)
+    assert "step 1/2" not in text, text  # step 1 starts from zeroed buffers
+    assert "step 2/2 (2 micro-batches) grad norm: the reference's is" in text, text
+    assert "step 2/2 (2 micro-batches) grad: " in text, text
 
 
 @pytest.mark.xfail(strict=True, raises=AssertionError, reason=(

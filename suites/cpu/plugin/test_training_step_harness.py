@@ -170,6 +170,7 @@ def _optimizer_lambda():
     (lambda: TrainingStep(max_norm=float("nan")), r"TrainingStep.max_norm must be None or a positive finite"),
     (lambda: TrainingStep(optimizer=_optimizer_lambda()), r"TrainingStep's callables must be module-level"),
     (lambda: TrainingStep(grad_norm="l2"), r"TrainingStep.grad_norm must be callable or None"),
+    (lambda: TrainingStep(zero_grads=True), r"TrainingStep.zero_grads must be callable or None"),
     (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(tp=2)], [], hidden_size=DIM, seed=1,
                                     rtol=RTOL), r"micro_batches must be a non-empty list of cu_seqlens"),
     (lambda: assert_training_parity(None, RIGHT, _reference(), [Placement(cp=2, cp_layout="zigzag")],
