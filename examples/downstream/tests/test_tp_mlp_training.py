@@ -46,3 +46,14 @@ def test_tp_mlp_trains_like_the_replicated_one(spawn, tp_size):
         hidden_size=DIM, seed=1, rtol=1e-10, step=TrainingStep(steps=2, max_norm=0.05),
         reference_forward=lambda m, x, cu: m(x))
     assert all(s["clipped"] for s in steps), steps  # the norm was over max_norm on every step
+
+
+def test_tp_mlp_with_data_parallel_replicas(spawn, tp_size):
+    # 2 replicas of the TP layer (a world of 2 * tp ranks), each training 2 of the step's 4
+    # micro-batches; the default reduction sums their gradients (over the CP and DP ranks)
+    torch.manual_seed(0)
+    assert_training_parity(
+        spawn, MLP_TP, MLP(DIM, HIDDEN).double(), [Placement(tp=tp_size)],
+        micro_batches=[[0, 5, 6, 16], [0, 11, 16], [0, 16], [0, 2, 9, 16]],
+        hidden_size=DIM, seed=2, rtol=1e-10, step=TrainingStep(steps=2, max_norm=0.05),
+        reference_forward=lambda m, x, cu: m(x), data_parallel=2)
