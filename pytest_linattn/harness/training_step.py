@@ -7,14 +7,14 @@ world and for the replicated reference alike, S steps of:
 
     zero the gradients (TrainingStep.zero_grads; default: the optimizer's zero_grad)
     for each micro-batch (its own packed batch): forward, loss part, backward, after_backward
-    the trainer's reduction (TrainingStep.finalize_grads; default: sum over the CP group)
+    the trainer's reduction (TrainingStep.finalize_grads; default: sum over the CP and DP ranks)
     the global gradient norm (TrainingStep.grad_norm; default: each parameter counted once)
     clipping to max_norm, the optimizer step (AdamW by default)
 
 and after every step compares the loss (the ranks' parts added up), every rank's gradient norm,
 every gradient after the reduction and every parameter after the step: TP-sharded ones through
 the client's `unshard` on every CP rank, TP-replicated ones equal on every TP rank. A failure
-names the case, the step, the micro-batch count, the tensor and the TP / CP rank.
+names the case, the step, the micro-batch count, the tensor and the TP / CP (/ DP) rank.
 
 With data_parallel = D > 1 the world is D copies of the placement (Megatron order: DP outermost)
 and DP rank d takes micro-batches d, d + D, ... of every step: the reference still runs them all,
@@ -176,7 +176,8 @@ def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_na
 
         # the loss: parts of ranks holding different tokens add up (every TP rank holds its CP
         # rank's tokens unless SP splits them; DP ranks hold different micro-batches)
-        holders = [(t, c, d) for d in range(dp) for c in range(cp) for t in (range(tp) if p.sequence_parallel else (0,))]
+        tp_holders = range(tp) if p.sequence_parallel else (0,)
+        holders = [(t, c, d) for d in range(dp) for c in range(cp) for t in tp_holders]
         collect(assert_parity, sum(at(*h)[0] for h in holders), loss_ref, rtol=rtol, name=f"{label} loss")
         if not p.sequence_parallel:
             for t, c, d in ((t, c, d) for t in range(1, tp) for c in range(cp) for d in range(dp)):
