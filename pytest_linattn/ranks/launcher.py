@@ -90,6 +90,7 @@ class LauncherSession:
         self.calls = 0
         self.store = None
         self.gone = None  # the story of the call after which a rank was gone
+        self.reported_for_rank0 = False  # rank 0 sent nothing and this rank reported instead
         self.current_call: Call | None = None
         self._places: dict[int, str] = {}
         self._backend = None
@@ -128,7 +129,8 @@ class LauncherSession:
         return self._places
 
     def finish(self) -> None:
-        """At the end of the session: rank 0 says it has reported; the others wait for that."""
+        """At the end of the session: rank 0 says it has reported; the others wait for that
+        (unless rank 0 was gone and this rank reported instead: nothing will come)."""
         for sig, handler in self._old_handlers.items():
             signal.signal(sig, handler)
         self._old_handlers = {}
@@ -137,7 +139,7 @@ class LauncherSession:
         try:
             if self.rank == 0:
                 self.store.set(self.key("over"), "1")
-            else:
+            elif not self.reported_for_rank0:
                 wait_keys(self.store, [self.key("over")], OVER_WAIT)
         except Exception:
             pass  # the launcher's store is gone: the run is over anyway
@@ -263,11 +265,17 @@ class LauncherSession:
             pass
         story, timed_out, silent = abort_story(self.store, partial(self.key, call.number), self.world_size,
                                                self._call_name(fn, call), FREE_WAIT, self.places())
-        if self.rank != 0 and 0 in silent:
-            # Rank 0 died or is stuck: its report may never come, so this rank says what it saw.
-            self.write_terminal(f"\nlinattn, rank {self.rank}: rank 0 did not answer; what this "
-                                f"rank saw:\n{story}\n")
-        self._regroup(call, story, timed_out=timed_out)
+        try:
+            self._regroup(call, story, timed_out=timed_out)
+        except (BrokenGroup, BrokenTimeout):
+            if self.rank != 0 and 0 in silent:
+                # Rank 0 sent nothing and no new group could be made: it may be gone, and its
+                # report never come, so this rank says what it saw. (A rank 0 merely slow to
+                # answer, on a loaded machine, comes back into the new group and reports alone.)
+                self.write_terminal(f"\nlinattn, rank {self.rank}: rank 0 did not answer; what this "
+                                    f"rank saw:\n{story}\n")
+                self.reported_for_rank0 = True
+            raise
 
     def _regroup(self, call: Call, story: str, *, timed_out: bool) -> None:
         """A new process group with every rank, then the call's failure; or, when a rank is

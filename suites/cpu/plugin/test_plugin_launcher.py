@@ -288,3 +288,41 @@ def test_two_nodes(pytester):
     print("durations:", durations)
     assert durations["test_node_one[raise]"] < 40 and durations["test_node_one[kill]"] < 40, durations
     assert not no_leftovers(tag), "a rank outlived its torchrun"
+
+
+RANK_ZERO_EXITS = r'''
+import os
+import torch.distributed as dist
+
+
+def exit_on_zero():
+    if dist.get_rank() == 0:
+        os._exit(5)
+    dist.barrier()
+
+
+def test_rank_zero_exits(spawn):
+    spawn(exit_on_zero, 2)
+'''
+
+
+def test_rank_zero_gone_under_torchrun(pytester):
+    # Rank 0, the one that reports, dies in a call: rank 1 says what it saw, and ends at once
+    # instead of waiting for a report that will not come (torchrun then kills it 30 s later).
+    pytester.makepyfile(test_rank_zero=RANK_ZERO_EXITS)
+    tag = f"rank-zero-{os.getpid()}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST,
+           "--linattn-timeout", "60", "test_rank_zero.py"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=pytester.path, env=_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    [text] = _finish([proc], 120)
+    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
+    assert proc.returncode != 0
+    report = text.split("linattn, rank 1: rank 0 did not answer; what this rank saw:", 1)[1]
+    assert "exit_on_zero(...) on 2 ranks (launcher mode, call 1)" in report, text
+    assert "--- rank 0 sent nothing: it died" in report and "--- rank 1 raised:" in report, text
+    assert "in exit_on_zero" in report and "dist.barrier()" in report, text
+    assert "Unable to shutdown process" not in text, "rank 1 waited for rank 0's report until torchrun killed it"
+    assert time.monotonic() - start < 30
+    assert not no_leftovers(tag), "a rank outlived its torchrun"
