@@ -50,6 +50,7 @@ from . import size_selection
 from .fla_hint import FlaOnCpuReport
 from .parity_records import ParityRecorder
 from .size_selection import SIZE_FIXTURES
+from .spawn import LauncherStops
 
 _STATE = pytest.StashKey["_State"]()
 
@@ -165,6 +166,7 @@ def _start_launcher_mode(config, state, world_size):
     # A copy of the terminal, for a report written while pytest's capture holds fd 1.
     state.launcher = LauncherSession(rank, world_size, terminal_fd=os.dup(1))
     state.launcher.install_signal_handlers()
+    config.pluginmanager.register(LauncherStops(), LauncherStops.name)
     if rank != 0:
         reporter = config.pluginmanager.get_plugin("terminalreporter")
         if reporter is not None:

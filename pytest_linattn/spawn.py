@@ -47,24 +47,53 @@ def _stop_session(item) -> None:
         return
     items = list(getattr(session, "items", []))
     rest = items[items.index(item) + 1:] if item in items else []
-    manager.register(_NotRun(item.nodeid, [i.nodeid for i in rest]), _NotRun.name)
+    manager.register(_NotRun(f"a rank was gone after {item.nodeid}", [i.nodeid for i in rest]), _NotRun.name)
 
 
 class _NotRun:
-    """The terminal summary's list of the tests a stopped session did not run."""
+    """The terminal summary's list of the tests a stopped session did not run, and why."""
 
     name = "linattn-not-run"
 
-    def __init__(self, after: str, nodeids: list[str]):
-        self.after, self.nodeids = after, nodeids
+    def __init__(self, why: str, nodeids: list[str]):
+        self.why, self.nodeids = why, nodeids
 
     def pytest_terminal_summary(self, terminalreporter):
         if not self.nodeids:
             return
-        terminalreporter.write_sep("=", f"linattn: {len(self.nodeids)} test(s) not run: a rank was "
-                                        f"gone after {self.after}")
+        terminalreporter.write_sep("=", f"linattn: {len(self.nodeids)} test(s) not run: {self.why}")
         for nodeid in self.nodeids:
             terminalreporter.write_line(f"NOT RUN {nodeid}")
+
+
+class LauncherStops:
+    """Under torchrun: when the launcher's SIGTERM interrupts the session outside a distributed
+    call (a rank on this node exited between calls), the summary names the test it came in and
+    lists that test and the ones after it as not run."""
+
+    name = "linattn-launcher-stops"
+
+    def __init__(self):
+        self.current = None
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_protocol(self, item, nextitem):
+        self.current = item
+        result = yield
+        self.current = None  # not reached when the test is interrupted
+        return result
+
+    def pytest_keyboard_interrupt(self, excinfo):
+        from .ranks.launcher import LauncherStopped
+
+        if not isinstance(excinfo.value, LauncherStopped) or self.current is None:
+            return
+        item, manager = self.current, self.current.config.pluginmanager
+        items = list(getattr(item.session, "items", []))
+        rest = items[items.index(item):] if item in items else [item]
+        if not manager.has_plugin(_NotRun.name):
+            why = f"the launcher stopped this session during {item.nodeid} (a rank on its node exited)"
+            manager.register(_NotRun(why, [i.nodeid for i in rest]), _NotRun.name)
 
 
 def _active_fla_emulation():

@@ -38,12 +38,17 @@ from .reports import (BrokenGroup, BrokenTimeout, RankFailure, RankTimeout, call
                       raised_lines)
 from .worker import to_cpu
 
-__all__ = ["BrokenGroup", "BrokenTimeout", "LauncherSession", "launcher_rank", "launcher_world_size",
-           "rank_place"]
+__all__ = ["BrokenGroup", "BrokenTimeout", "LauncherSession", "LauncherStopped", "launcher_rank",
+           "launcher_world_size", "rank_place"]
 
 
 class _Interrupted(BaseException):
     """Raised in the main thread (by SIGUSR2) to free a rank stuck in Python after an abort."""
+
+
+class LauncherStopped(KeyboardInterrupt):
+    """The launcher sent SIGTERM outside a distributed call: a rank on this node exited between
+    calls. It interrupts the session (pytest_linattn.spawn lists the tests not run)."""
 
 
 def launcher_world_size(environ=None) -> int | None:
@@ -112,7 +117,8 @@ class LauncherSession:
         call = self.current_call
         if signum == signal.SIGTERM:
             if call is None:
-                raise KeyboardInterrupt("the launcher sent SIGTERM (a rank on this node exited)")
+                raise LauncherStopped("the launcher sent SIGTERM: a rank on this node exited (torchrun's "
+                                      "log names it and its exit code)")
             call.stop_reason = STOPPED
         if call is not None and call.in_fn and (call.aborted.is_set() or call.stop_reason):
             raise _Interrupted()

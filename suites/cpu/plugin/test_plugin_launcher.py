@@ -4,7 +4,8 @@ A failed call no longer ends the session: the ranks make a new process group and
 runs; only a rank that is gone ends it. So one torchrun session holds every fault, each followed
 by a test that must pass, and ends with the fault that ends it: one node of 2 ranks, then two
 nodes of 2 ranks (two torchrun agents on this machine), one run after another, each with a hard
-timeout.
+timeout. Two more session-ending faults get a short run each: rank 0 (the one that reports) dying
+in a call, and a rank dying between calls.
 """
 from __future__ import annotations
 
@@ -325,4 +326,50 @@ def test_rank_zero_gone_under_torchrun(pytester):
     assert "in exit_on_zero" in report and "dist.barrier()" in report, text
     assert "Unable to shutdown process" not in text, "rank 1 waited for rank 0's report until torchrun killed it"
     assert time.monotonic() - start < 30
+    assert not no_leftovers(tag), "a rank outlived its torchrun"
+
+
+RANK_ONE_EXITS_BETWEEN_CALLS = r'''
+import os, time
+import torch.distributed as dist
+
+
+def rank():
+    return dist.get_rank()
+
+
+def test_first(spawn):
+    assert spawn(rank, 2) == [0, 1]
+
+
+def test_rank_one_exits_outside_a_call():
+    if dist.get_rank() == 1:
+        os._exit(3)
+    time.sleep(30)  # rank 0 is in no distributed call when its launcher's SIGTERM comes
+
+
+def test_after(spawn):
+    assert spawn(rank, 2) == [0, 1]
+'''
+
+
+def test_rank_gone_between_calls_under_torchrun(pytester):
+    # No call to fail: the launcher's SIGTERM interrupts rank 0's session, which names the test
+    # it came in and lists what did not run.
+    pytester.makepyfile(test_between=RANK_ONE_EXITS_BETWEEN_CALLS)
+    tag = f"between-{os.getpid()}-{time.monotonic_ns()}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST,
+           "test_between.py"]
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, cwd=pytester.path, env=_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    [text] = _finish([proc], 120)
+    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
+    assert proc.returncode != 0
+    assert ("linattn: 2 test(s) not run: the launcher stopped this session during "
+            "test_between.py::test_rank_one_exits_outside_a_call (a rank on its node exited)") in text, text
+    assert "NOT RUN test_between.py::test_rank_one_exits_outside_a_call\nNOT RUN test_between.py::test_after" in text
+    assert "LauncherStopped: the launcher sent SIGTERM: a rank on this node exited" in text, text
+    assert "1 passed" in text, text
+    assert time.monotonic() - start < 25  # not the 30 s sleep
     assert not no_leftovers(tag), "a rank outlived its torchrun"
