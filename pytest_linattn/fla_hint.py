@@ -47,25 +47,29 @@ def triton_on_cpu_line(text: str, emulated: bool) -> str | None:
 
 def header_line(config) -> str | None:
     """`linattn fla-on-cpu: on ...` / `off ...`; None when the value is bad (session start says so)."""
-    try:
-        on = options.read_value(config, "fla_on_cpu")
-    except ValueError:
+    emulated = _source_if_on(config, "fla_on_cpu")
+    if emulated is None:
         return None
-    if on:
-        _, source = options.unparsed_value(config, "fla_on_cpu")
-        line = f"linattn fla-on-cpu: on, in every test and rank ({source}): fla's ops run on linattn's references"
+    if emulated:
+        line = f"linattn fla-on-cpu: on, in every test and rank ({emulated}): fla's ops run on linattn's references"
     else:
         line = ("linattn fla-on-cpu: off (fla's ops are emulated only in tests using the fla_on_cpu fixture; "
                 "--linattn-fla-on-cpu for every test)")
-    try:
-        interpreted = options.read_value(config, "fla_interpreted")
-    except ValueError:
-        return line
+    interpreted = _source_if_on(config, "fla_interpreted")
     if interpreted:
-        _, source = options.unparsed_value(config, "fla_interpreted")
-        line += (f"\nlinattn fla-interpreted: on, in every test and rank ({source}): fla's own Triton kernels "
+        line += (f"\nlinattn fla-interpreted: on, in every test and rank ({interpreted}): fla's own Triton kernels "
                  f"under Triton's interpreter, float32")
     return line
+
+
+def _source_if_on(config, name: str) -> str | None:
+    """Where an on/off option was set on ("--linattn-fla-on-cpu", the ini key), "" when it is off,
+    None when its value is bad (session start reports that)."""
+    try:
+        on = options.read_value(config, name)
+    except ValueError:
+        return None
+    return options.unparsed_value(config, name)[1] if on else ""
 
 
 def _emulated() -> bool:

@@ -42,12 +42,19 @@ def _stop_session(item) -> None:
     session = item.session
     session.shouldfail = (f"linattn: a rank is gone after a failure in {item.nodeid}; the session "
                           f"stops (see that test's report)")
+    _list_not_run(item, f"a rank was gone after {item.nodeid}", with_item=False)
+
+
+def _list_not_run(item, why: str, *, with_item: bool) -> None:
+    """The summary's list of the tests after `item` (`item` too, when it was cut short), once."""
     manager = item.config.pluginmanager
     if manager.has_plugin(_NotRun.name):
         return
-    items = list(getattr(session, "items", []))
-    rest = items[items.index(item) + 1:] if item in items else []
-    manager.register(_NotRun(f"a rank was gone after {item.nodeid}", [i.nodeid for i in rest]), _NotRun.name)
+    items = list(getattr(item.session, "items", []))
+    if item not in items:
+        items = [item]
+    rest = items[items.index(item) + (0 if with_item else 1):]
+    manager.register(_NotRun(why, [i.nodeid for i in rest]), _NotRun.name)
 
 
 class _NotRun:
@@ -88,12 +95,9 @@ class LauncherStops:
 
         if not isinstance(excinfo.value, LauncherStopped) or self.current is None:
             return
-        item, manager = self.current, self.current.config.pluginmanager
-        items = list(getattr(item.session, "items", []))
-        rest = items[items.index(item):] if item in items else [item]
-        if not manager.has_plugin(_NotRun.name):
-            why = f"the launcher stopped this session during {item.nodeid} (a rank on its node exited)"
-            manager.register(_NotRun(why, [i.nodeid for i in rest]), _NotRun.name)
+        item = self.current
+        _list_not_run(item, f"the launcher stopped this session during {item.nodeid} (a rank on its node exited)",
+                      with_item=True)
 
 
 def _active_fla_emulation():

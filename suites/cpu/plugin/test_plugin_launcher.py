@@ -134,17 +134,24 @@ def _finish(procs, timeout) -> list[str]:
     return texts
 
 
+def _one_node_torchrun(pytester, tag: str, *pytest_args: str, timeout: float) -> tuple[int, str]:
+    """pytest under `torchrun --standalone` with 2 ranks: (exit code, output). The output is
+    printed too: pytest shows a failed test's captured output whole (an assertion's message it cuts)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST,
+           *pytest_args]
+    proc = subprocess.Popen(cmd, cwd=pytester.path, env=_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    [text] = _finish([proc], timeout)
+    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
+    return proc.returncode, text
+
+
 def test_faults_under_torchrun(pytester):
     pytester.makepyfile(test_launched=LAUNCHED_TESTS)
     tag = f"launcher-{os.getpid()}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST,
-           "--tp", "2,4,3", "--linattn-timeout", "120", "test_launched.py"]
-    proc = subprocess.Popen(cmd, cwd=pytester.path, env=_env(tag), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    [text] = _finish([proc], 300)
-    # pytest shows a failed test's captured output whole (an assertion's message it cuts)
-    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
-    assert proc.returncode != 0, text
+    returncode, text = _one_node_torchrun(pytester, tag, "--tp", "2,4,3", "--linattn-timeout", "120",
+                                          "test_launched.py", timeout=300)
+    assert returncode != 0, text
     # One report (rank 1 runs quietly); after each fault the next test passes; the exit ends it.
     assert text.count("test session starts") == 1, text
     assert "4 failed, 7 passed, 1 deselected in" in text, text
@@ -312,14 +319,9 @@ def test_rank_zero_gone_under_torchrun(pytester):
     # instead of waiting for a report that will not come (torchrun then kills it 30 s later).
     pytester.makepyfile(test_rank_zero=RANK_ZERO_EXITS)
     tag = f"rank-zero-{os.getpid()}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST,
-           "--linattn-timeout", "60", "test_rank_zero.py"]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=pytester.path, env=_env(tag), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    [text] = _finish([proc], 120)
-    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
-    assert proc.returncode != 0
+    returncode, text = _one_node_torchrun(pytester, tag, "--linattn-timeout", "60", "test_rank_zero.py", timeout=120)
+    assert returncode != 0
     report = text.split("linattn, rank 1: rank 0 did not answer; what this rank saw:", 1)[1]
     assert "exit_on_zero(...) on 2 ranks (launcher mode, call 1)" in report, text
     assert "--- rank 0 sent nothing: it died" in report and "--- rank 1 raised:" in report, text
@@ -358,14 +360,9 @@ def test_rank_gone_between_calls_under_torchrun(pytester):
     # it came in and lists what did not run.
     pytester.makepyfile(test_between=RANK_ONE_EXITS_BETWEEN_CALLS)
     tag = f"between-{os.getpid()}-{time.monotonic_ns()}"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *PYTEST,
-           "test_between.py"]
     start = time.monotonic()
-    proc = subprocess.Popen(cmd, cwd=pytester.path, env=_env(tag), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    [text] = _finish([proc], 120)
-    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
-    assert proc.returncode != 0
+    returncode, text = _one_node_torchrun(pytester, tag, "test_between.py", timeout=120)
+    assert returncode != 0
     assert ("linattn: 2 test(s) not run: the launcher stopped this session during "
             "test_between.py::test_rank_one_exits_outside_a_call (a rank on its node exited)") in text, text
     assert "NOT RUN test_between.py::test_rank_one_exits_outside_a_call\nNOT RUN test_between.py::test_after" in text
