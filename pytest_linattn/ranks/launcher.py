@@ -31,8 +31,8 @@ import traceback
 from functools import partial
 from typing import Any, Callable
 
-from .launcher_recovery import (POLL, REBUILT, STACK_WAIT, abort_story, agree_group_works, gone_ending,
-                                group_works, regroup, wait_keys)
+from .launcher_recovery import (POLL, REBUILT, RETURNED, abort_story, agree_group_works, gone_ending,
+                                group_works, is_gone, process_identity, regroup, wait_keys)
 from .launcher_watchdog import FREE_WAIT, OVER_WAIT, STOPPED, Call, Watchdog
 from .reports import (BrokenGroup, BrokenTimeout, RankFailure, RankTimeout, call_name, describe_ranks,
                       raised_lines)
@@ -98,6 +98,7 @@ class LauncherSession:
         self.reported_for_rank0 = False  # rank 0 sent nothing and this rank reported instead
         self.current_call: Call | None = None
         self._places: dict[int, str] = {}
+        self._identities: dict[int, str] = {}
         self._backend = None
         self._group_timeout = None
         self._old_handlers = {}
@@ -134,6 +135,14 @@ class LauncherSession:
                     self._places[r] = self.store.get(self.key("place", r)).decode()
         return self._places
 
+    def gone_ranks(self) -> set[int]:
+        """The ranks whose process is seen to have exited (only those on this machine can be)."""
+        if len(self._identities) < self.world_size and self.store is not None:
+            for r in range(self.world_size):
+                if r not in self._identities and self.store.check([self.key("process", r)]):
+                    self._identities[r] = self.store.get(self.key("process", r)).decode()
+        return {r for r, identity in self._identities.items() if is_gone(identity)}
+
     def finish(self) -> None:
         """At the end of the session: rank 0 says it has reported; the others wait for that
         (unless rank 0 was gone and this rank reported instead: nothing will come)."""
@@ -165,6 +174,7 @@ class LauncherSession:
             self._backend = dist.get_backend()
             self._group_timeout = datetime.timedelta(seconds=max(timeout, 1800.0))
             self.store.set(self.key("place", self.rank), rank_place())
+            self.store.set(self.key("process", self.rank), process_identity())
             self._watchdog = Watchdog(self, LauncherSession._run_fn.__code__)
             self._watchdog.start()
         return dist
@@ -262,7 +272,10 @@ class LauncherSession:
                       "(a collective check failed).", timed_out=False)
 
     def _after_abort(self, call: Call, dist, fn) -> None:
-        call.stack_posted.wait(STACK_WAIT)
+        if not call.stack_posted.is_set():
+            # fn has returned here: post what the watchdog would (it may look only later).
+            self.store.compare_set(self.key(call.number, "stack", self.rank), "", RETURNED)
+            call.stack_posted.set()
         # Free ranks close their connections: a peer blocked in a collective with this rank
         # gets "Connection closed by peer" and can answer.
         try:
@@ -270,7 +283,8 @@ class LauncherSession:
         except Exception:
             pass
         story, timed_out, silent = abort_story(self.store, partial(self.key, call.number), self.world_size,
-                                               self._call_name(fn, call), FREE_WAIT, self.places())
+                                               self._call_name(fn, call), FREE_WAIT, self.places(),
+                                               self.gone_ranks)
         try:
             self._regroup(call, story, timed_out=timed_out)
         except (BrokenGroup, BrokenTimeout):

@@ -12,14 +12,15 @@ same verdict, through the store, that the session ends.
 from __future__ import annotations
 
 import datetime
+import os
 import pickle
 import time
 from typing import Callable
 
 from .reports import describe_ranks, launcher_abort
 
-__all__ = ["REGROUP_WAIT", "RETURNED", "abort_story", "agree_group_works", "group_works", "regroup",
-           "wait_keys"]
+__all__ = ["REGROUP_WAIT", "RETURNED", "abort_story", "agree_group_works", "group_works", "is_gone",
+           "process_identity", "regroup", "wait_keys"]
 
 POLL = 0.02
 STACK_WAIT = 3.0  # after an abort, how long to wait for every live rank's stack
@@ -45,21 +46,70 @@ def gone_ending(verdict: str) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# is a rank's process gone? (on this machine, where /proc can tell)
+
+
+def _machine() -> str:
+    """This machine and pid namespace: pids are compared only within one."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        return f"{boot}:{os.stat('/proc/self/ns/pid').st_ino}"
+    except OSError:
+        return ""
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time (field 22 of /proc/PID/stat), or None when it is gone: exited
+    (a zombie not yet reaped by its launcher counts as exited) or never there."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] in "ZX" else fields[19]
+
+
+def process_identity() -> str:
+    """"machine pid start-time" of this process; "" where /proc cannot tell."""
+    machine = _machine()
+    start = _start_time(os.getpid()) if machine else None
+    return f"{machine} {os.getpid()} {start}" if start else ""
+
+
+def is_gone(identity: str) -> bool:
+    """True when the process `identity` (process_identity) ran on this machine and has exited.
+    False when it lives, or runs elsewhere (then only its silence can tell)."""
+    if not identity:
+        return False
+    machine, pid, start = identity.split(" ")
+    return machine == _machine() and _start_time(int(pid)) != start
+
+
+# ----------------------------------------------------------------------------------------------
 # the report of an aborted call
 
 
 def abort_story(store, key: Callable, world_size: int, what: str, wait: float,
-                places: dict[int, str]) -> tuple[str, bool, set]:
+                places: dict[int, str], gone: Callable[[], set] = set) -> tuple[str, bool, set]:
     """What every rank posted for an aborted call (key: this call's store keys): the ranks that
     sent nothing (dead, or stuck outside Python), the errors posted before the abort, the stacks
-    of the ranks that had not returned. Also: whether it was a timeout, and the silent ranks."""
+    of the ranks that had not returned. Also: whether it was a timeout, and the silent ranks.
+    gone(): the ranks whose process is seen gone; nothing more is waited for from them."""
     t0 = time.monotonic()
     stack_keys = [key("stack", r) for r in range(world_size)]
     out_keys = [key("out", r) for r in range(world_size)]
+
+    def posted(keys) -> bool:
+        if store.check(keys):
+            return True
+        missing = [r for r in range(world_size) if not store.check([keys[r]])]
+        return set(missing) <= gone()
+
     # Stacks come at once from every live rank; outcomes once a stuck rank has been freed.
-    while time.monotonic() < t0 + min(wait, STACK_WAIT) and not store.check(stack_keys):
+    while time.monotonic() < t0 + min(wait, STACK_WAIT) and not posted(stack_keys):
         time.sleep(POLL)
-    while time.monotonic() < t0 + wait and not store.check(out_keys):
+    while time.monotonic() < t0 + wait and not posted(out_keys):
         time.sleep(POLL)
     stacks, outcomes = {}, {}
     for r in range(world_size):
@@ -75,7 +125,7 @@ def abort_story(store, key: Callable, world_size: int, what: str, wait: float,
         # Freed by the abort before its watchdog looked: where it raised is where it was.
         if r not in answered and o[0] == "error" and stacks.get(r) == RETURNED:
             stacks[r] = o[1]
-    story = launcher_abort(what, reason, silent=silent, errors=errors,
+    story = launcher_abort(what, reason, silent=silent, dead=silent & gone(), errors=errors,
                            stacks={r: st for r, st in stacks.items() if r not in answered},
                            tests={o[2] for o in outcomes.values() if len(o) > 2}, places=places)
     return story, reason.startswith("timed out"), silent

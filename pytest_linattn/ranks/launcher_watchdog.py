@@ -2,7 +2,8 @@
 call into a readable failure.
 
 - The call's deadline passes, or a rank posted an error and the others have not answered
-  FAILURE_GRACE seconds later, or torchrun sent SIGTERM (a rank on this node exited): the
+  FAILURE_GRACE seconds later (at once when each of them is blocked in torch.distributed: in the
+  same C call at two looks), or torchrun sent SIGTERM (a rank on this node exited): the
   watchdog aborts the call (the `abort` key in the launcher's store; the first reason wins).
 - On abort every rank posts its main thread's Python stack and interrupts a main thread stuck in
   Python (SIGUSR2); the launcher then frees the ranks blocked in a collective (it destroys the
@@ -43,6 +44,7 @@ class Call:
         self.first_error_at = None
         self.aborted_at = None
         self.stop_reason = None  # set by SIGTERM
+        self.main_at = None  # where the main thread was at the watchdog's last look
 
 
 class Watchdog:
@@ -93,6 +95,7 @@ class Watchdog:
         s = self.session
         if s.store.check([s.key(call.number, "abort")]):
             return ""
+        blocked_in = self._blocked_in(call)
         statuses = {}
         for r in range(s.world_size):
             key = s.key(call.number, "status", r)
@@ -100,7 +103,8 @@ class Watchdog:
                 statuses[r] = s.store.get(key).decode()
         if len(statuses) == s.world_size:
             return None
-        waiting = describe_ranks(set(range(s.world_size)) - set(statuses))
+        unanswered = sorted(set(range(s.world_size)) - set(statuses))
+        waiting = describe_ranks(unanswered)
         failed = sorted(r for r, st in statuses.items() if st == "error")
         now = time.monotonic()
         if call.stop_reason:
@@ -110,13 +114,36 @@ class Watchdog:
         elif failed:
             if call.first_error_at is None:
                 call.first_error_at = now
-            if now < call.first_error_at + FAILURE_GRACE:
+            if blocked_in and s.rank in unanswered:
+                s.store.compare_set(s.key(call.number, "blocked", s.rank), "", blocked_in)
+            blocked_keys = [s.key(call.number, "blocked", r) for r in unanswered]
+            if s.store.check(blocked_keys):
+                # Every rank that has not answered waits in torch.distributed: no grace helps.
+                where = sorted({s.store.get(k).decode() for k in blocked_keys})
+                reason = (f"{describe_ranks(failed)} raised and {waiting} "
+                          f"{'was' if len(unanswered) == 1 else 'were'} blocked in torch.distributed "
+                          f"({', '.join(where)})")
+            elif now < call.first_error_at + FAILURE_GRACE:
                 return None
-            reason = (f"{describe_ranks(failed)} raised and {waiting} had not answered "
-                      f"{FAILURE_GRACE:g} s later")
+            else:
+                reason = (f"{describe_ranks(failed)} raised and {waiting} had not answered "
+                          f"{FAILURE_GRACE:g} s later")
         else:
             return None
         return reason + "|" + ",".join(map(str, sorted(statuses)))
+
+    def _blocked_in(self, call: Call) -> str | None:
+        """The torch.distributed function whose C call the main thread has been in since the last
+        look (a collective waiting for other ranks, at the same instruction of the same frame), else
+        None."""
+        frame = sys._current_frames().get(self._main) if call.in_fn else None
+        at = None if frame is None else (id(frame), frame.f_lasti, frame.f_code)
+        before, call.main_at = call.main_at, at
+        if at is None or at != before:
+            return None
+        if "/torch/distributed/" not in frame.f_code.co_filename.replace(os.sep, "/"):
+            return None
+        return frame.f_code.co_name
 
     def _main_stack(self, call: Call) -> str:
         if not call.in_fn:
@@ -144,7 +171,7 @@ class Watchdog:
         if s.rank == 0:
             what = f"{call_name(None, s.world_size)} (launcher mode, call {call.number})"
             story = abort_story(s.store, lambda *parts: s.key(call.number, *parts), s.world_size,
-                                what, 0.5, s.places())[0]
+                                what, 0.5, s.places(), s.gone_ranks)[0]
             s.write_terminal(
                 f"\n{'!' * 30} linattn: a distributed call could not be freed {'!' * 30}\n"
                 f"{story}\nrank 0's main thread is still stuck {FREE_WAIT:g} s after the abort; "

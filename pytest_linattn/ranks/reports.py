@@ -175,16 +175,19 @@ def pool_failure(what: str, timeout: float, world_size: int, pids: list, *, pend
 
 
 def launcher_abort(what: str, reason: str, *, silent: set, errors: dict[int, str],
-                   stacks: dict[int, str], tests: set, places: dict[int, str] | None = None) -> str:
-    """silent: the ranks that posted nothing; errors: rank -> the traceback it posted before the
-    abort; stacks: rank -> the stack of a rank that had not returned; tests: the ranks' tests;
-    places: rank -> where it runs, as in raised_lines. What became of the group comes after."""
+                   stacks: dict[int, str], tests: set, places: dict[int, str] | None = None,
+                   dead: set = frozenset()) -> str:
+    """silent: the ranks that posted nothing (dead: those of them seen to have exited); errors:
+    rank -> the traceback it posted before the abort; stacks: rank -> the stack of a rank that
+    had not returned; tests: the ranks' tests; places: rank -> where it runs, as in
+    raised_lines. What became of the group comes after."""
     places = places or {}
     lines = [f"{what}: {reason}."]
     # A rank that died comes first: the others' errors are usually its consequence.
     for r in sorted(silent):
-        lines.append(f"--- rank {r}{places.get(r, '')} sent nothing: it died (torchrun's log gives "
-                     f"its exit code) or is stuck outside Python")
+        how = ("its process exited" if r in dead else "or is stuck outside Python")
+        lines.append(f"--- rank {r}{places.get(r, '')} sent nothing: it died ({how}; torchrun's log "
+                     f"gives its exit code)")
     lines += raised_lines(errors, places)
     for r in sorted(stacks):
         lines.append(f"--- rank {r}{places.get(r, '')} stack at the abort (it had not returned):")

@@ -93,9 +93,10 @@ def test_fault(spawn, step, monkeypatch):
         assert spawn(info, 2, 1)[1][2].item() == 2
         return
     if fault == "raise_late_watchdog" and dist.get_rank() == 0:
-        # rank 0's watchdog looks every 1.5 s: rank 1's abort frees rank 0's barrier (closed
-        # connection) before rank 0's watchdog has seen it, as on a loaded two-core machine
-        monkeypatch.setattr(launcher_watchdog, "WATCH", 1.5)
+        # rank 0's watchdog looks every 3 s: it cannot see its barrier blocked (two looks), and
+        # rank 1's abort after the grace frees rank 0's barrier (closed connection) before rank
+        # 0's watchdog has seen the abort, as on a loaded two-core machine
+        monkeypatch.setattr(launcher_watchdog, "WATCH", 3.0)
     if fault == "hang":
         spawn.timeout = 2  # the others run at 120 s, which they must not wait for
     fn = {"raise": raise_in_collective, "raise_late_watchdog": raise_in_collective, "exit": exit_on_one,
@@ -166,10 +167,12 @@ def test_faults_under_torchrun(pytester):
     reports = _reports(text)
     # The same report whichever rank's watchdog saw the abort first (before that fix, a rank 0
     # freed before its watchdog looked reported "ranks 0, 1 failed" with no reason)
+    # rank 0's watchdog sees it blocked in the barrier: no grace; a late watchdog: the grace
+    assert "rank 1 raised and rank 0 was blocked in torch.distributed (barrier)" in reports["raise"]
+    assert "rank 1 raised and rank 0 had not answered 2 s later" in reports["raise_late_watchdog"]
     for fault in ("raise", "raise_late_watchdog"):
         raised = reports[fault]
         assert "raise_in_collective(...) on 2 ranks" in raised
-        assert "rank 1 raised and rank 0 had not answered 2 s later" in raised
         assert "ValueError: rank one is unhappy" in raised and "in raise_in_collective" in raised
         assert "rank 0 stack at the abort (it had not returned)" in raised and "in barrier" in raised
         assert "a new process group replaced the old one, and the session goes on" in raised
@@ -180,7 +183,9 @@ def test_faults_under_torchrun(pytester):
     assert "a new process group replaced the old one" in hung
     exited = reports["exit"]
     # The death first, then the survivor's consequence; then the session's end, and what it left.
-    assert exited.index("rank 1 sent nothing: it died") < exited.index("--- rank 0 raised"), exited
+    # (rank 0 saw rank 1's process gone: it waited for nothing more from it)
+    died = exited.index("rank 1 sent nothing: it died (its process exited")
+    assert died < exited.index("--- rank 0 raised"), exited
     assert ("No new process group can be made without every rank: rank 0: its launcher sent SIGTERM: "
             "a rank on its node exited") in exited
     assert "linattn: a rank is gone after a failure in test_launched.py::test_fault[exit]" in text
@@ -289,7 +294,8 @@ def test_two_nodes(pytester):
     assert "a new process group replaced the old one, and the session goes on" in raised
     # A rank on node 1 is killed: the session ends, with the report on node 0.
     killed = reports["kill"]
-    assert f"--- rank 3 (node 1 = {host}, local rank 1) sent nothing: it died" in killed, killed
+    assert f"--- rank 3 (node 1 = {host}, local rank 1) sent nothing: it died (its process exited" in killed, \
+        killed
     assert "No new process group can be made without every rank" in killed, killed
     assert "NOT RUN test_two_nodes.py::test_node_one[kill:next]" in node0
     durations = junit_durations(pytester.path / "junit.xml")
@@ -324,7 +330,8 @@ def test_rank_zero_gone_under_torchrun(pytester):
     assert returncode != 0
     report = text.split("linattn, rank 1: rank 0 did not answer; what this rank saw:", 1)[1]
     assert "exit_on_zero(...) on 2 ranks (launcher mode, call 1)" in report, text
-    assert "--- rank 0 sent nothing: it died" in report and "--- rank 1 raised:" in report, text
+    assert "--- rank 0 sent nothing: it died (its process exited" in report, text
+    assert "--- rank 1 raised:" in report, text
     assert "in exit_on_zero" in report and "dist.barrier()" in report, text
     assert "Unable to shutdown process" not in text, "rank 1 waited for rank 0's report until torchrun killed it"
     assert time.monotonic() - start < 30
@@ -370,3 +377,29 @@ def test_rank_gone_between_calls_under_torchrun(pytester):
     assert "1 passed" in text, text
     assert time.monotonic() - start < 25  # not the 30 s sleep
     assert not no_leftovers(tag), "a rank outlived its torchrun"
+
+
+def test_a_process_is_gone_once_it_exits():
+    # Launcher mode's dead-rank check: a rank's identity, posted at its first call, is gone once
+    # its process exited (a zombie its launcher has not reaped yet counts); a live one, or one on
+    # another machine, is not.
+    from pytest_linattn.ranks.launcher_recovery import is_gone, process_identity
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys; from pytest_linattn.ranks.launcher_recovery "
+                              "import process_identity; print(process_identity(), flush=True); "
+                              "sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    identity = child.stdout.readline().strip()
+    machine, pid, start = identity.split(" ")
+    assert int(pid) == child.pid and process_identity().split(" ")[0] == machine
+    assert not is_gone(identity) and not is_gone(process_identity())
+    child.stdin.close()  # the child reads to the end and exits; not reaped yet, it is a zombie
+    deadline = time.monotonic() + 30
+    while not is_gone(identity) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert is_gone(identity)
+    assert Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"  # not reaped
+    assert child.wait(10) == 0
+    assert is_gone(identity)  # reaped
+    assert not is_gone(f"another-machine {pid} {start}") and not is_gone("")
+    assert is_gone(f"{machine} {os.getpid()} 1")  # the pid lives, but a later process took it
