@@ -135,13 +135,20 @@ class LauncherSession:
                     self._places[r] = self.store.get(self.key("place", r)).decode()
         return self._places
 
-    def gone_ranks(self) -> set[int]:
-        """The ranks whose process is seen to have exited (only those on this machine can be)."""
-        if len(self._identities) < self.world_size and self.store is not None:
-            for r in range(self.world_size):
-                if r not in self._identities and self.store.check([self.key("process", r)]):
-                    self._identities[r] = self.store.get(self.key("process", r)).decode()
-        return {r for r, identity in self._identities.items() if is_gone(identity)}
+    def gone_ranks(self, ranks) -> set[int]:
+        """Those of `ranks` whose process is seen to have exited: by this rank, on this machine
+        (it then tells the others through the store), or by any rank on theirs."""
+        gone = set()
+        for r in ranks:
+            key = self.key("gone", r)
+            if r not in self._identities and self.store.check([self.key("process", r)]):
+                self._identities[r] = self.store.get(self.key("process", r)).decode()
+            if self.store.check([key]):
+                gone.add(r)
+            elif is_gone(self._identities.get(r, "")):
+                self.store.set(key, "1")
+                gone.add(r)
+        return gone
 
     def finish(self) -> None:
         """At the end of the session: rank 0 says it has reported; the others wait for that

@@ -91,11 +91,12 @@ def is_gone(identity: str) -> bool:
 
 
 def abort_story(store, key: Callable, world_size: int, what: str, wait: float,
-                places: dict[int, str], gone: Callable[[], set] = set) -> tuple[str, bool, set]:
+                places: dict[int, str], gone: Callable[[list], set] = lambda ranks: set()
+                ) -> tuple[str, bool, set]:
     """What every rank posted for an aborted call (key: this call's store keys): the ranks that
     sent nothing (dead, or stuck outside Python), the errors posted before the abort, the stacks
     of the ranks that had not returned. Also: whether it was a timeout, and the silent ranks.
-    gone(): the ranks whose process is seen gone; nothing more is waited for from them."""
+    gone(ranks): those of `ranks` whose process is seen gone; nothing more is waited for from them."""
     t0 = time.monotonic()
     stack_keys = [key("stack", r) for r in range(world_size)]
     out_keys = [key("out", r) for r in range(world_size)]
@@ -104,7 +105,7 @@ def abort_story(store, key: Callable, world_size: int, what: str, wait: float,
         if store.check(keys):
             return True
         missing = [r for r in range(world_size) if not store.check([keys[r]])]
-        return set(missing) <= gone()
+        return gone(missing) == set(missing)
 
     # Stacks come at once from every live rank; outcomes once a stuck rank has been freed.
     while time.monotonic() < t0 + min(wait, STACK_WAIT) and not posted(stack_keys):
@@ -125,7 +126,7 @@ def abort_story(store, key: Callable, world_size: int, what: str, wait: float,
         # Freed by the abort before its watchdog looked: where it raised is where it was.
         if r not in answered and o[0] == "error" and stacks.get(r) == RETURNED:
             stacks[r] = o[1]
-    story = launcher_abort(what, reason, silent=silent, dead=silent & gone(), errors=errors,
+    story = launcher_abort(what, reason, silent=silent, dead=gone(sorted(silent)), errors=errors,
                            stacks={r: st for r, st in stacks.items() if r not in answered},
                            tests={o[2] for o in outcomes.values() if len(o) > 2}, places=places)
     return story, reason.startswith("timed out"), silent

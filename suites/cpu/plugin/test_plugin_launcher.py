@@ -403,3 +403,27 @@ def test_a_process_is_gone_once_it_exits():
     assert is_gone(identity)  # reaped
     assert not is_gone(f"another-machine {pid} {start}") and not is_gone("")
     assert is_gone(f"{machine} {os.getpid()} 1")  # the pid lives, but a later process took it
+
+
+def test_a_rank_seen_gone_is_told_to_the_ranks_elsewhere(monkeypatch):
+    # Only a rank on the gone rank's machine can see its process gone; it posts that to the
+    # launcher's store, where rank 0 on another node (which cannot see it) reads it.
+    import torch.distributed as dist
+    from pytest_linattn.ranks import launcher
+    from pytest_linattn.ranks.launcher_recovery import is_gone
+
+    exited = subprocess.run([sys.executable, "-c", "from pytest_linattn.ranks.launcher_recovery import "
+                             "process_identity; print(process_identity())"],
+                            capture_output=True, text=True, check=True).stdout.strip()
+    store = dist.HashStore()
+    elsewhere, here = launcher.LauncherSession(0, 3), launcher.LauncherSession(1, 3)
+    elsewhere.store = here.store = store
+    store.set(here.key("process", 2), exited)
+    seen_from = {"elsewhere": False, "here": True}
+    where = "elsewhere"
+    monkeypatch.setattr(launcher, "is_gone", lambda identity: seen_from[where] and is_gone(identity))
+    assert elsewhere.gone_ranks([0, 1, 2]) == set()
+    where = "here"
+    assert here.gone_ranks([2]) == {2}
+    where = "elsewhere"
+    assert elsewhere.gone_ranks([0, 1, 2]) == {2}
