@@ -79,18 +79,23 @@ def run_training_on_rank(cases):
     import torch.distributed as dist
 
     rank, device = dist.get_rank(), run_device()
-    made: dict[tuple, tuple] = {}  # groups are made once per (process_groups, tp, cp), collectively
+    # Groups are made once per (process_groups, tp, cp), collectively (every rank the same).
+    client_groups, harness_groups = {}, {}
     results = []
     for case in cases:
         p, make = case.placement, case.layer.process_groups
-        if (make, p.tp, p.cp) not in made:
-            groups = make(p)
-            # the harness's own reductions need the TP group and the group of this rank's CP and DP
-            # peers (the ranks of its TP rank), whatever the client's groups are
+        at = (make, p.tp, p.cp)
+        if at not in client_groups:
+            client_groups[at] = make(p)
+        # The harness's own reduction and norm need the TP group and the group of this rank's CP
+        # and DP peers (the ranks of its TP rank), whatever the client's groups are: made only for
+        # a step that uses them.
+        if (case.step.finalize_grads is None or case.step.grad_norm is None) and at not in harness_groups:
+            groups = client_groups[at]
             tp_group, cp_group = groups if make is default_process_groups else default_process_groups(p)
             peers = cp_group if dist.get_world_size() == p.size else _same_tp_rank_group(p.tp, rank)
-            made[(make, p.tp, p.cp)] = (groups, (tp_group, peers))
-        results.append(_train(case, *made[(make, p.tp, p.cp)], rank, device))
+            harness_groups[at] = (tp_group, peers)
+        results.append(_train(case, client_groups[at], harness_groups.get(at), rank, device))
     return results
 
 

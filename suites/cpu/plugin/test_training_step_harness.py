@@ -160,6 +160,38 @@ def test_a_wrong_reduction_over_data_parallel_replicas_is_caught(spawn, finalize
         assert re.search(rf"step 1/2 \(4 micro-batches\) grad \(CP rank 0, DP rank {d}\): 3 of 3 tensor", text), text
 
 
+# A client that brings its groups, its reduction and its norm: the harness makes no group of its own
+# (torch's count of process groups on the rank, after the client's, is the same at the norm).
+_GROUPS_AFTER_CLIENT = None
+
+
+def _group_count():
+    return len(dist.distributed_c10d._world.pg_map)
+
+
+def _groups_counted(placement):
+    global _GROUPS_AFTER_CLIENT
+    groups = _groups_with_dp(placement)
+    _GROUPS_AFTER_CLIENT = _group_count()
+    return groups
+
+
+def _grad_norm_of_own(module, placement, groups):
+    if _group_count() != _GROUPS_AFTER_CLIENT:
+        raise RuntimeError(f"{_group_count() - _GROUPS_AFTER_CLIENT} process group(s) made after the client's")
+    sharded = module.fc1.weight.grad.square().sum() + module.fc2.weight.grad.square().sum()
+    dist.all_reduce(sharded, group=groups[0])
+    return (sharded + module.norm_weight.grad.square().sum()).sqrt()
+
+
+def test_a_client_with_its_own_groups_reduction_and_norm_gets_no_harness_groups(spawn):
+    layer = ShardedLayer(_build, _shard, _unshard, replicated={"norm_weight"}, process_groups=_groups_counted)
+    step = TrainingStep(steps=2, max_norm=0.05, finalize_grads=_finalize_with_dp, grad_norm=_grad_norm_of_own)
+    steps = assert_training_parity(spawn, layer, _reference(), [Placement(tp=2)], FOUR_MICRO_BATCHES,
+                                   hidden_size=DIM, seed=5, rtol=RTOL, data_parallel=2, step=step)
+    assert all(s["clipped"] for s in steps), steps
+
+
 def _optimizer_lambda():
     return lambda params: torch.optim.SGD(params, lr=0.1)
 
