@@ -93,10 +93,11 @@ def test_fault(spawn, step, monkeypatch):
         assert spawn(info, 2, 1)[1][2].item() == 2
         return
     if fault == "raise_late_watchdog" and dist.get_rank() == 0:
-        # rank 0's watchdog looks every 3 s: it cannot see its barrier blocked (two looks), and
-        # rank 1's abort after the grace frees rank 0's barrier (closed connection) before rank
-        # 0's watchdog has seen the abort, as on a loaded two-core machine
-        monkeypatch.setattr(launcher_watchdog, "WATCH", 3.0)
+        # rank 0's watchdog looks every 1.5 s, and does not see its barrier blocked: rank 1's
+        # abort after the grace frees rank 0's barrier (closed connection) before rank 0's
+        # watchdog has seen it, as on a loaded two-core machine
+        monkeypatch.setattr(launcher_watchdog, "WATCH", 1.5)
+        monkeypatch.setattr(launcher_watchdog.Watchdog, "_blocked_in", lambda self, call: None)
     if fault == "hang":
         spawn.timeout = 2  # the others run at 120 s, which they must not wait for
     fn = {"raise": raise_in_collective, "raise_late_watchdog": raise_in_collective, "exit": exit_on_one,
