@@ -20,6 +20,7 @@ import threading
 import time
 import traceback
 
+from .blocked import BlockedLook
 from .launcher_recovery import RETURNED, abort_story, wait_keys
 from .reports import FAILURE_GRACE, call_name, describe_ranks
 
@@ -44,7 +45,7 @@ class Call:
         self.first_error_at = None
         self.aborted_at = None
         self.stop_reason = None  # set by SIGTERM
-        self.main_at = None  # where the main thread was at the watchdog's last look
+        self.main = BlockedLook(threading.main_thread().ident)  # where it is blocked, if it is
 
 
 class Watchdog:
@@ -133,17 +134,11 @@ class Watchdog:
         return reason + "|" + ",".join(map(str, sorted(statuses)))
 
     def _blocked_in(self, call: Call) -> str | None:
-        """The torch.distributed function whose C call the main thread has been in since the last
-        look (a collective waiting for other ranks, at the same instruction of the same frame), else
-        None."""
-        frame = sys._current_frames().get(self._main) if call.in_fn else None
-        at = None if frame is None else (id(frame), frame.f_lasti, frame.f_code)
-        before, call.main_at = call.main_at, at
-        if at is None or at != before:
+        """Where the main thread is blocked in torch.distributed, in fn (pytest_linattn.ranks.blocked)."""
+        if not call.in_fn:
+            call.main.forget()
             return None
-        if "/torch/distributed/" not in frame.f_code.co_filename.replace(os.sep, "/"):
-            return None
-        return frame.f_code.co_name
+        return call.main.look()
 
     def _main_stack(self, call: Call) -> str:
         if not call.in_fn:

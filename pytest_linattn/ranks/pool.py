@@ -249,6 +249,7 @@ class Pool:
         records: dict[int, list] = {}
         errors: dict[int, str] = {}
         deaths: dict[int, int | None] = {}
+        blocked: dict[int, str] = {}  # rank -> the torch.distributed function it is blocked in
         failed_at = None
         pending = set(range(self.world_size))
         while pending:
@@ -281,6 +282,9 @@ class Pool:
                     deaths[r] = self.procs[r].exitcode
                     pending.discard(r)
                     continue
+                if reply[0] == "blocked":  # in torch.distributed: pytest_linattn.ranks.blocked
+                    blocked[r] = reply[1]
+                    continue
                 pending.discard(r)
                 if len(reply) > 2 and reply[2]:
                     records[r] = reply[2]
@@ -291,6 +295,8 @@ class Pool:
             if (errors or deaths) and failed_at is None:
                 failed_at = time.monotonic()
                 deadline = min(deadline, failed_at + FAILURE_GRACE)
+            if (errors or deaths) and pending <= set(blocked):
+                break  # every rank still out waits in torch.distributed: no grace helps
         if records:
             add_rank_records(records)
         if not pending and not errors and not deaths:
@@ -303,7 +309,7 @@ class Pool:
         self.kill()
         raise reports.pool_failure(what, timeout, self.world_size, [p.pid for p in self.procs],
                                         pending=pending, errors=errors, deaths=deaths, fatal=fatal,
-                                        stacks=stacks)
+                                        stacks=stacks, blocked=blocked)
 
 
 class PoolManager:

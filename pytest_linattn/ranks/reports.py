@@ -139,11 +139,13 @@ def dump_stacks(procs: dict, paths: list[str]) -> dict[int, str]:
 
 def pool_failure(what: str, timeout: float, world_size: int, pids: list, *, pending: set,
                  errors: dict[int, str], deaths: dict[int, int | None], fatal: dict[int, str],
-                 stacks: dict[int, str]) -> RankFailure:
+                 stacks: dict[int, str], blocked: dict[int, str] | None = None) -> RankFailure:
     """The exception for a failed pool call: RankTimeout when no rank failed before the timeout.
 
     pending: the ranks that had not answered; errors: rank -> traceback; deaths: rank -> exit
-    code; fatal: rank -> its fatal-signal dump; stacks: rank -> its stack at the end."""
+    code; fatal: rank -> its fatal-signal dump; stacks: rank -> its stack at the end; blocked:
+    rank -> the torch.distributed function it was blocked in."""
+    blocked = blocked or {}
     timed_out = not errors and not deaths
     if timed_out:
         lines = [f"{what}: timed out after {timeout:g} s; {describe_ranks(pending)} had not "
@@ -160,8 +162,14 @@ def pool_failure(what: str, timeout: float, world_size: int, pids: list, *, pend
             lines.append(indent(fatal[r]))
     lines += raised_lines(errors)
     if pending and not timed_out:
-        lines.append(f"{describe_ranks(pending)} had not returned "
-                     f"{FAILURE_GRACE:g} s after the failure and were killed; their stacks:")
+        one = len(pending) == 1
+        if pending <= set(blocked):
+            waited = (f"{'was' if one else 'were'} blocked in torch.distributed "
+                      f"({', '.join(sorted({blocked[r] for r in pending}))})")
+        else:
+            waited = f"had not returned {FAILURE_GRACE:g} s after the failure"
+        lines.append(f"{describe_ranks(pending)} {waited} and {'was' if one else 'were'} killed; "
+                     f"{'its stack' if one else 'their stacks'}:")
     for r in range(world_size):
         if r in stacks and (timed_out or r in pending):
             state = "still running" if r in pending else "had returned"

@@ -30,10 +30,13 @@ import time
 import traceback
 import types
 
+from .blocked import BlockedLook
+
 __all__ = ["add_rank_records", "rank_main", "set_parent_death_signal", "task_message", "to_cpu",
            "trim_stack"]
 
 _PARENT_POLL = 0.5
+_BLOCKED_LOOK = 0.1  # how often a rank looks whether its main thread is blocked
 
 
 def to_cpu(obj):
@@ -188,6 +191,38 @@ def _die_with_parent(parent_pid: int, use_pdeathsig: bool) -> None:
     threading.Thread(target=watch, name="linattn-parent-watch", daemon=True).start()
 
 
+class _CallWatch:
+    """Tells the parent, once per call, that this rank's main thread is blocked in
+    torch.distributed (pytest_linattn.ranks.blocked): once another rank has failed, the parent
+    then stops waiting for this one. Its messages and the call's reply share `conn`: `lock`."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+        self.in_call = self.told = False
+        self.main = BlockedLook(threading.get_ident())
+
+        def watch():  # (the name trim_stack leaves out of a rank's stack)
+            while True:
+                time.sleep(_BLOCKED_LOOK)
+                where = self.main.look() if self.in_call and not self.told else None
+                if where:
+                    with self.lock:
+                        if self.in_call:
+                            self.conn.send_bytes(pickle.dumps(("blocked", where)))
+                            self.told = True
+
+        threading.Thread(target=watch, name="linattn-blocked-watch", daemon=True).start()
+
+    def begin(self) -> None:
+        self.main.forget()
+        self.told, self.in_call = False, True
+
+    def reply(self, out: bytes) -> None:
+        with self.lock:
+            self.in_call = False
+            self.conn.send_bytes(out)
+
+
 def _set_threads(torch) -> None:
     # OpenMP read OMP_NUM_THREADS when torch was imported: in a forked rank, in the server
     try:
@@ -286,6 +321,7 @@ def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, d
     # its pages by touching it.
     gc.freeze()
     conn.send(("ready", os.getpid()))
+    call = _CallWatch(conn)
     while True:
         try:
             msg = conn.recv_bytes()
@@ -293,9 +329,10 @@ def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, d
             break
         if not msg:  # empty message: shut down
             break
+        call.begin()
         out = pickle.dumps(_run_task(msg), protocol=pickle.HIGHEST_PROTOCOL)
         try:
-            conn.send_bytes(out)
+            call.reply(out)
         except (EOFError, OSError):
             break
     try:

@@ -62,6 +62,12 @@ def segv_on_one():
     dist.barrier()
 
 
+def raise_while_zero_computes():
+    if dist.get_rank() == 1:
+        raise ValueError("rank one is unhappy while rank zero computes")
+    time.sleep(30)  # not in torch.distributed: rank 0 might yet answer, so it gets the grace
+
+
 def _record(out):
     with open(os.environ["PIDS_FILE"], "a") as f:
         f.write(" ".join(str(o["pid"]) for o in out) + "\n")
@@ -95,6 +101,10 @@ def test_world_size_one(spawn):
 
 def test_raising_rank(spawn):
     spawn(raise_on_one, 2)
+
+
+def test_raising_rank_beside_a_busy_one(spawn):
+    spawn(raise_while_zero_computes, 2)
 
 
 def test_after_raise(spawn):
@@ -175,7 +185,7 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     assert outcomes == {
         "test_tensors_in_rank_order": "passed", "test_pool_is_reused": "passed",
         "test_world_size_one": "passed", "test_raising_rank": "failed",
-        "test_after_raise": "passed", "test_dying_rank": "failed",
+        "test_raising_rank_beside_a_busy_one": "failed", "test_after_raise": "passed", "test_dying_rank": "failed",
         "test_signalled_rank": "failed", "test_segfaulting_rank": "failed",
         "test_parity_failure_shows_no_library_frames": "failed", "test_after_death": "passed",
         "test_nested_function_is_refused": "passed", "test_bad_world_size": "passed",
@@ -185,7 +195,13 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     assert "raise_on_one(...) on 2 ranks: rank 1 failed." in text
     assert "ValueError: rank one is unhappy" in text
     assert 'test_ranks.py", line' in text
-    assert "rank 0 had not returned" in text
+    # The other rank, blocked in the barrier, is not waited for; one still in its own code is,
+    # for the grace: it might raise too.
+    raised = text.split("raise_on_one(...) on 2 ranks:", 1)[1].split("\n_", 1)[0]
+    assert "rank 0 was blocked in torch.distributed (barrier) and was killed; its stack:" in raised, raised
+    busy = text.split("raise_while_zero_computes(...) on 2 ranks: rank 1 failed.", 1)[1].split("\n_", 1)[0]
+    assert "rank 0 had not returned 2 s after the failure and was killed; its stack:" in busy, busy
+    assert "in raise_while_zero_computes" in busy.split("--- rank 0 stack", 1)[1], busy
     # The dying ranks: rank and exit code / signal name.
     assert "rank 0 died with exit code 7" in text
     assert "rank 1 died with signal SIGKILL" in text
