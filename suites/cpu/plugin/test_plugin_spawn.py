@@ -99,7 +99,10 @@ def test_world_size_one(spawn):
     assert len(out) == 1 and out[0]["world"] == 1 and out[0]["sum"].tolist() == [1.0, 1.0]
 
 
-def test_raising_rank(spawn):
+def test_raising_rank(spawn, monkeypatch):
+    from pytest_linattn.ranks import pool
+    # only seeing rank 0 blocked in its barrier can end this one soon, also on a loaded machine
+    monkeypatch.setattr(pool, "FAILURE_GRACE", 60.0)
     spawn(raise_on_one, 2)
 
 
@@ -216,8 +219,10 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     parity = parity.split("\n", 1)[1].split("\n_", 1)[0].split("\n- generated", 1)[0]
     assert "assert_parity(x + 1, x" in parity and "def assert_parity" not in parity, parity
     assert "pytest_linattn/parity.py" not in parity, parity
-    # Failures stay quick: a raise waits only the short grace for the other ranks.
-    assert junit_durations(junit)["test_raising_rank"] < 15
+    # Failures stay quick: beside a rank blocked in a collective a raise waits no grace (60 s in
+    # that test), beside a busy one only the short grace.
+    durations = junit_durations(junit)
+    assert durations["test_raising_rank"] < 15 and durations["test_raising_rank_beside_a_busy_one"] < 15
     # No rank outlives the run.
     pids = pids_in(pids_file)
     assert pids and not [p for p in pids if process_alive(p)]
