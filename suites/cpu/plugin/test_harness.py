@@ -49,7 +49,7 @@ class ToyMixer(nn.Module):
         self.fc2 = nn.Linear(HIDDEN // tp, DIM, bias=False, dtype=dtype, device=device)
 
     def forward(self, x, cu_seqlens):
-        p, sp = self.placement, self.placement.sequence_parallel
+        sp = self.placement.sequence_parallel
         if sp:  # SP slice -> this CP rank's tokens
             x = gather_from_sequence_parallel_region(x, self.tp_group)
         x = x + self._previous_tokens(x, cu_seqlens)
