@@ -22,7 +22,7 @@ import traceback
 
 from .blocked import BlockedLook
 from .launcher_recovery import RETURNED, abort_story, wait_keys
-from .reports import FAILURE_GRACE, call_name, describe_ranks
+from .reports import FAILURE_GRACE, blocked_ranks, call_name, describe_ranks
 
 __all__ = ["FREE_WAIT", "OVER_WAIT", "STOPPED", "Call", "Watchdog"]
 
@@ -120,10 +120,8 @@ class Watchdog:
             blocked_keys = [s.key(call.number, "blocked", r) for r in unanswered]
             if s.store.check(blocked_keys):
                 # Every rank that has not answered waits in torch.distributed: no grace helps.
-                where = sorted({s.store.get(k).decode() for k in blocked_keys})
-                reason = (f"{describe_ranks(failed)} raised and {waiting} "
-                          f"{'was' if len(unanswered) == 1 else 'were'} blocked in torch.distributed "
-                          f"({', '.join(where)})")
+                where = {r: s.store.get(k).decode() for r, k in zip(unanswered, blocked_keys)}
+                reason = f"{describe_ranks(failed)} raised and {blocked_ranks(where)}"
             elif now < call.first_error_at + FAILURE_GRACE:
                 return None
             else:

@@ -15,8 +15,8 @@ import time
 
 from .worker import trim_stack
 
-__all__ = ["FAILURE_GRACE", "BrokenGroup", "BrokenTimeout", "RankFailure", "RankTimeout", "call_name",
-           "describe_ranks", "dump_sizes", "dump_stacks", "indent", "launcher_abort", "pool_failure",
+__all__ = ["FAILURE_GRACE", "BrokenGroup", "BrokenTimeout", "RankFailure", "RankTimeout", "blocked_ranks",
+           "call_name", "describe_ranks", "dump_sizes", "dump_stacks", "indent", "launcher_abort", "pool_failure",
            "raised_lines", "read_dump"]
 
 # After the first rank fails, the others get this long to report before they are killed: a rank
@@ -50,6 +50,13 @@ def describe_ranks(ranks) -> str:
     """{2} -> 'rank 2'; {0, 3} -> 'ranks 0, 3'."""
     ranks = sorted(ranks)
     return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def blocked_ranks(where: dict[int, str]) -> str:
+    """{0: 'barrier'} -> 'rank 0 was blocked in torch.distributed (barrier)' (where: rank -> the
+    torch.distributed function it is blocked in, pytest_linattn.ranks.blocked)."""
+    return (f"{describe_ranks(where)} {'was' if len(where) == 1 else 'were'} blocked in torch.distributed "
+            f"({', '.join(sorted(set(where.values())))})")
 
 
 def call_name(fn, world_size: int) -> str:
@@ -163,13 +170,9 @@ def pool_failure(what: str, timeout: float, world_size: int, pids: list, *, pend
     lines += raised_lines(errors)
     if pending and not timed_out:
         one = len(pending) == 1
-        if pending <= set(blocked):
-            waited = (f"{'was' if one else 'were'} blocked in torch.distributed "
-                      f"({', '.join(sorted({blocked[r] for r in pending}))})")
-        else:
-            waited = f"had not returned {FAILURE_GRACE:g} s after the failure"
-        lines.append(f"{describe_ranks(pending)} {waited} and {'was' if one else 'were'} killed; "
-                     f"{'its stack' if one else 'their stacks'}:")
+        waited = (blocked_ranks({r: blocked[r] for r in pending}) if pending <= set(blocked) else
+                  f"{describe_ranks(pending)} had not returned {FAILURE_GRACE:g} s after the failure")
+        lines.append(f"{waited} and {'was' if one else 'were'} killed; {'its stack' if one else 'their stacks'}:")
     for r in range(world_size):
         if r in stacks and (timed_out or r in pending):
             state = "still running" if r in pending else "had returned"

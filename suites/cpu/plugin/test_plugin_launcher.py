@@ -383,16 +383,19 @@ def test_rank_gone_between_calls_under_torchrun(pytester):
     assert not no_leftovers(tag), "a rank outlived its torchrun"
 
 
+# A child that prints its process_identity(), then reads its stdin to the end
+PRINT_IDENTITY = ("import sys; from pytest_linattn.ranks.launcher_recovery import process_identity; "
+                  "print(process_identity(), flush=True); sys.stdin.read()")
+
+
 def test_a_process_is_gone_once_it_exits():
     # Launcher mode's dead-rank check: a rank's identity, posted at its first call, is gone once
     # its process exited (a zombie its launcher has not reaped yet counts); a live one, or one on
     # another machine, is not.
     from pytest_linattn.ranks.launcher_recovery import is_gone, process_identity
 
-    child = subprocess.Popen([sys.executable, "-c", "import sys; from pytest_linattn.ranks.launcher_recovery "
-                              "import process_identity; print(process_identity(), flush=True); "
-                              "sys.stdin.read()"],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen([sys.executable, "-c", PRINT_IDENTITY], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
     identity = child.stdout.readline().strip()
     machine, pid, start = identity.split(" ")
     assert int(pid) == child.pid and process_identity().split(" ")[0] == machine
@@ -414,20 +417,17 @@ def test_a_rank_seen_gone_is_told_to_the_ranks_elsewhere(monkeypatch):
     # launcher's store, where rank 0 on another node (which cannot see it) reads it.
     import torch.distributed as dist
     from pytest_linattn.ranks import launcher
-    from pytest_linattn.ranks.launcher_recovery import is_gone
 
-    exited = subprocess.run([sys.executable, "-c", "from pytest_linattn.ranks.launcher_recovery import "
-                             "process_identity; print(process_identity())"],
-                            capture_output=True, text=True, check=True).stdout.strip()
+    exited = subprocess.run([sys.executable, "-c", PRINT_IDENTITY], stdin=subprocess.DEVNULL, capture_output=True,
+                            text=True, check=True).stdout.strip()
     store = dist.HashStore()
     elsewhere, here = launcher.LauncherSession(0, 3), launcher.LauncherSession(1, 3)
     elsewhere.store = here.store = store
     store.set(here.key("process", 2), exited)
-    seen_from = {"elsewhere": False, "here": True}
-    where = "elsewhere"
-    monkeypatch.setattr(launcher, "is_gone", lambda identity: seen_from[where] and is_gone(identity))
-    assert elsewhere.gone_ranks([0, 1, 2]) == set()
-    where = "here"
+    with monkeypatch.context() as m:  # rank 0 cannot see rank 2's machine
+        m.setattr(launcher, "is_gone", lambda identity: False)
+        assert elsewhere.gone_ranks([0, 1, 2]) == set()
     assert here.gone_ranks([2]) == {2}
-    where = "elsewhere"
-    assert elsewhere.gone_ranks([0, 1, 2]) == {2}
+    with monkeypatch.context() as m:
+        m.setattr(launcher, "is_gone", lambda identity: False)
+        assert elsewhere.gone_ranks([0, 1, 2]) == {2}
