@@ -39,6 +39,12 @@ TORCH = ("torch", "torch.distributed", "numpy")
 # server or in the fork before pytest.main: pytest rewrites their asserts when it imports them.
 REWRITE_WARNING = ("-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning")
 TIMEOUT = 600.0
+# Waits an inner run's tests show are not taken (a call's timeout, the grace after a failure, a
+# rank's sleep) are set to LONG_WAIT or more: minutes, which no expected path takes even on a
+# machine loaded many times over, while the wrong path always does; which path was taken, the
+# test reads from the reports. BACKSTOP only ends an inner run that hangs.
+LONG_WAIT = 600
+BACKSTOP = 1800
 # The servers start in the environment of this module's import (collection), not a test's: a leak
 # tag set by a test must mark only what its inner run starts.
 _START_ENVIRON = dict(os.environ)
@@ -147,7 +153,9 @@ def tagged_processes(tag: str) -> list[int]:
     return found
 
 
-def no_leftovers(tag: str, wait: float = 5.0) -> list[int]:
+def no_leftovers(tag: str, wait: float = 60.0) -> list[int]:
+    """The processes tagged `tag` still alive after up to `wait` s (they may be exiting: a loaded
+    machine takes its time)."""
     deadline = time.monotonic() + wait
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from inner_pytest import LONG_WAIT
 from pytest_linattn import rerun
 from pytest_linattn.suites import (Suite, SuiteConfigError, _parse_mini_toml, given_flags, home_suite,
                                    load_suites, targeted_suites)
@@ -271,15 +272,15 @@ def test_cancelled_run_summarises_what_finished(root):
     (root / "suites/cpu/test_slow.py").write_text(
         "import pathlib, time\n"
         "def test_quick():\n    pass\n"
-        f"def test_slow():\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(120)\n")
+        f"def test_slow():\n    pathlib.Path({str(started)!r}).touch()\n    time.sleep(3600)\n")
     proc = subprocess.Popen([sys.executable, "-m", "pytest_linattn.rerun", "--root", str(root),
                              "--out", str(root / "out"), "suites/cpu/test_slow.py"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + LONG_WAIT  # a backstop: the start takes seconds, minutes under load
     while not started.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    out, _ = proc.communicate(timeout=60)
+    out, _ = proc.communicate(timeout=LONG_WAIT)
     assert proc.returncode == 1, out
     summary = (root / "out/summary.md").read_text()
     assert summary.startswith("### /rerun-test interrupted: 1 passed, 0 failed"), summary
