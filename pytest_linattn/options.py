@@ -14,8 +14,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULTS", "DEFAULT_TIMEOUT", "DEVICES", "OPTIONS", "Option", "parse_autotune", "parse_device",
-           "parse_directory", "parse_sizes", "parse_switch", "parse_timeout", "read_value", "unparsed_value"]
+__all__ = ["DEFAULTS", "DEFAULT_TIMEOUT", "DEVICES", "OPTIONS", "Option", "parse_autotune", "parse_count",
+           "parse_device", "parse_directory", "parse_sizes", "parse_switch", "parse_timeout", "read_value",
+           "unparsed_value"]
 
 DEVICES = ("cpu", "cuda", "auto")
 DEFAULT_TIMEOUT = 300.0  # seconds one distributed call may take
@@ -70,6 +71,14 @@ def parse_timeout(value, name: str = "timeout") -> float:
     if not seconds > 0 or seconds != seconds or seconds == float("inf"):
         raise ValueError(f"{name}: expected a positive finite number of seconds, got {value!r}")
     return seconds
+
+
+def parse_count(value, name: str = "count") -> int:
+    """A positive int, e.g. '2' or 2."""
+    count = int(value.strip()) if isinstance(value, str) and value.strip().isdigit() else value
+    if isinstance(count, bool) or not isinstance(count, int) or count < 1:
+        raise ValueError(f"{name}: expected a positive integer, got {value!r}")
+    return count
 
 
 SWITCH_VALUES = {"on": True, "true": True, "1": True, "yes": True,
@@ -173,6 +182,11 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
            help="Triton's config search on CUDA runs (test process and ranks): shipped (the project's fla "
                 "configs for this GPU, else each kernel's first config, nothing timed), first (first "
                 "config only) or search (Triton's autotune)"),
+    Option("ranks_per_gpu", "--linattn-ranks-per-gpu", "linattn_ranks_per_gpu", "linattn_ranks_per_gpu", "1",
+           parse_count, metavar="N",
+           help="on cuda, up to N ranks share a GPU: a test of W ranks runs on ceil(W / N) GPUs, its process "
+                "groups on the staged transport (collectives staged through host memory over gloo, not NCCL; "
+                "the kernels are the real ones) wherever ranks share one"),
     Option("report", "--linattn-report", "linattn_report", "linattn_report", None, parse_directory,
            metavar="DIR", help="write the parity report (JSON and error heatmaps) to this directory"),
 )}

@@ -32,7 +32,8 @@ Fixtures:
     float64_reference   pytest_linattn.float64.float64_reference
 
 Markers: ``world_size(n)`` (the ranks a test needs: skipped on cuda without n GPUs),
-``gpus(n)`` (skipped when the machine, or the run's device choice, has fewer than n GPUs),
+``gpus(n)`` (skipped when the machine, or the run's device choice, has fewer than n GPUs; with
+``--linattn-ranks-per-gpu N`` both need ceil(n / N) GPUs),
 ``suite(name)`` (the test's home suite), ``tp_sizes(*sizes)``, ``cp_sizes(*sizes)``.
 
 The logic lives in plain modules (options, size_selection, pool, gpus, parity, seqlens, float64)
@@ -85,7 +86,8 @@ class _State:
         if self.manager is None:
             from .ranks.pool import PoolManager
 
-            self.manager = PoolManager(option_value(self.config, "device"))
+            self.manager = PoolManager(option_value(self.config, "device"),
+                                       ranks_per_gpu=option_value(self.config, "ranks_per_gpu"))
         return self.manager
 
     def close(self):
@@ -134,8 +136,10 @@ class _State:
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config):
     for line in (
-        "world_size(n): the test runs n ranks; skipped on cuda with fewer than n GPUs",
-        "gpus(n): skipped when the machine (or --linattn-device) has fewer than n GPUs",
+        "world_size(n): the test runs n ranks; skipped on cuda with fewer than n GPUs (ceil(n / N) with "
+        "--linattn-ranks-per-gpu N)",
+        "gpus(n): skipped when the machine (or --linattn-device) has fewer than n GPUs (ceil(n / N) with "
+        "--linattn-ranks-per-gpu N)",
         "suite(name): the test's home suite (suites/<name>), used by linattn-rerun",
         "tp_sizes(*sizes): the tensor-parallel sizes the test supports; others are deselected",
         "cp_sizes(*sizes): the context-parallel sizes the test supports; others are deselected",
@@ -197,8 +201,18 @@ def pytest_sessionstart(session):
 
 def pytest_report_header(config):
     # Called at session start, before the hook above: apply here too, so the header can say it.
-    plan = config.stash[_STATE].apply_autotune()
-    return None if plan is None else plan.describe()
+    state = config.stash[_STATE]
+    plan = state.apply_autotune()
+    lines = [] if plan is None else [plan.describe()]
+    per_gpu = option_value(config, "ranks_per_gpu")
+    if per_gpu > 1 and state.runs_on_cuda():
+        from .ranks.gpus import gpus_for, sharing_note
+
+        sizes = {option_value(config, "tp")[-1], option_value(config, "cp")[-1], per_gpu}
+        notes = [sharing_note(w, gpus_for(w, per_gpu)) for w in sorted(sizes) if w > 1]
+        lines.append(f"linattn: up to {per_gpu} ranks share a GPU (--linattn-ranks-per-gpu): "
+                     + "; ".join(notes) + ". A test transport: the kernels are the real ones, the communication is not")
+    return lines or None
 
 
 def pytest_unconfigure(config):
@@ -284,16 +298,19 @@ def pytest_runtest_setup(item):
         if gpus is not None and device == "cpu":
             _skip(f"needs {_marker_int(gpus)} GPU(s); this run uses --linattn-device cpu")
         if device != "cpu":
-            from .ranks.gpus import gpu_count
+            from .ranks.gpus import gpu_count, gpus_for
 
             have = gpu_count()
-            if gpus is not None and have < _marker_int(gpus):
-                _skip(f"needs {_marker_int(gpus)} GPU(s) (gpus({_marker_int(gpus)})); "
+            per_gpu = option_value(item.config, "ranks_per_gpu")
+            shared = f" at {per_gpu} ranks per GPU" if per_gpu > 1 else ""
+            # gpus(n) and world_size(n): n ranks, on n GPUs, or fewer where ranks share them
+            if gpus is not None and have < gpus_for(_marker_int(gpus), per_gpu):
+                _skip(f"needs {gpus_for(_marker_int(gpus), per_gpu)} GPU(s) (gpus({_marker_int(gpus)}){shared}); "
                       f"this machine has {have}")
-            # world_size(n) needs n GPUs only when the ranks run on GPUs (auto with none: CPU).
-            if world is not None and (device == "cuda" or have > 0) and have < _marker_int(world):
-                _skip(f"needs {_marker_int(world)} GPU(s) (world_size({_marker_int(world)})); "
-                      f"this machine has {have}")
+            # world_size(n) needs GPUs only when the ranks run on GPUs (auto with none: CPU).
+            if world is not None and (device == "cuda" or have > 0) and have < gpus_for(_marker_int(world), per_gpu):
+                _skip(f"needs {gpus_for(_marker_int(world), per_gpu)} GPU(s) (world_size({_marker_int(world)})"
+                      f"{shared}); this machine has {have}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -308,7 +325,18 @@ def spawn(request):
 
     state = request.config.stash[_STATE]
     return Spawn(state.launcher, state.pools, option_value(request.config, "device"),
-                 option_value(request.config, "timeout"), request.node)
+                 option_value(request.config, "timeout"), request.node,
+                 ranks_per_gpu=option_value(request.config, "ranks_per_gpu"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    # A failed test whose ranks shared GPUs says so, whatever failed (a rank, or a check here).
+    spawn = getattr(item, "funcargs", {}).get("spawn")
+    if report.failed and getattr(spawn, "transport_notes", None):
+        report.sections.append(("linattn transport", "; ".join(spawn.transport_notes)))
+    return report
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,23 +10,30 @@ import sys
 import pytest
 
 from .ranks import dispatch, pool
+from .ranks.gpus import gpus_for, sharing_note
 from .ranks.reports import BrokenGroup
 
 
 class Spawn:
     """``spawn(fn, world_size, *args, **kwargs)``: fn on every rank; values in rank order."""
 
-    def __init__(self, launcher, pools, device: str, timeout: float, item=None):
+    def __init__(self, launcher, pools, device: str, timeout: float, item=None, ranks_per_gpu: int = 1):
         self._launcher, self._pools, self._device = launcher, pools, device
         self.timeout = timeout
         self._item = item
+        self.ranks_per_gpu = ranks_per_gpu
+        self.transport_notes: list[str] = []  # ranks sharing GPUs this test ran on (its failure report says so)
 
     def __call__(self, fn, world_size, *args, **kwargs):
         __tracebackhide__ = True
+        note = self._sharing_note(world_size)
+        if note and note not in self.transport_notes:
+            self.transport_notes.append(note)
         try:
             return dispatch.run_on_ranks(fn, world_size, args, kwargs, device=self._device, timeout=self.timeout,
                                          pools=self._pools, launcher=self._launcher,
-                                         fla_on_cpu=_active_fla_emulation(), test=getattr(self._item, "nodeid", ""))
+                                         fla_on_cpu=_active_fla_emulation(), test=getattr(self._item, "nodeid", ""),
+                                         ranks_per_gpu=self.ranks_per_gpu)
         except pool.NotEnoughGpus as exc:
             pytest.skip(f"spawn(world_size={world_size}): {exc}")
         except pool.RankFailure as exc:
@@ -34,6 +41,14 @@ class Spawn:
                 _stop_session(self._item)
             # Re-raised here so the report ends at the test's call, not inside the pool.
             raise type(exc)(str(exc)) from None
+
+
+    def _sharing_note(self, world_size) -> str | None:
+        if self.ranks_per_gpu == 1 or isinstance(world_size, bool) or not isinstance(world_size, int):
+            return None
+        if pool.resolve_device(self._device) != "cuda":
+            return None
+        return sharing_note(world_size, gpus_for(world_size, self.ranks_per_gpu))
 
 
 def _stop_session(item) -> None:

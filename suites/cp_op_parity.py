@@ -93,8 +93,9 @@ def run_cases_on_rank(cases, backends=(None,)):
     gradients, once per backend (None: the op's default) -> [{(backend, op): {name: tensor}}]."""
     import torch.distributed as dist
 
-    nccl = dist.get_backend() == "nccl"
-    device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+    from pytest_linattn.harness.sharded_parity_rank import run_device
+
+    device = run_device()
     rank, size = dist.get_rank(), dist.get_world_size()
     results = []
     for case in cases:

@@ -54,10 +54,16 @@ def run_cases_on_rank(cases: Sequence[RankCase]):
 
 
 def run_device() -> torch.device:
-    """This rank's device: its GPU under NCCL, else the CPU."""
+    """This rank's device: its GPU when the ranks run on GPUs (NCCL, or the staged transport of
+    ranks sharing GPUs: the pool or the launcher says so), else the CPU."""
+    import os
+
     import torch.distributed as dist
 
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    from ..ranks.worker import RANK_DEVICE_ENV
+
+    on_gpu = os.environ.get(RANK_DEVICE_ENV, "cuda" if dist.get_backend() == "nccl" else "cpu") == "cuda"
+    return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
 def whole(t):

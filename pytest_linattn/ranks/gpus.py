@@ -16,11 +16,30 @@ import tempfile
 import time
 from typing import Callable
 
-__all__ = ["GpuLease", "NotEnoughGpus", "default_lock_dir", "gpu_count", "visible_gpu_ids"]
+__all__ = ["GpuLease", "NotEnoughGpus", "default_lock_dir", "gpu_count", "gpus_for", "rank_gpus", "sharing_note",
+           "visible_gpu_ids"]
 
 
 class NotEnoughGpus(Exception):
     """The machine (or the run's device choice) has fewer GPUs than asked for."""
+
+
+def gpus_for(ranks: int, ranks_per_gpu: int = 1) -> int:
+    """The GPUs `ranks` ranks run on when up to `ranks_per_gpu` share one: ceil(ranks / ranks_per_gpu)."""
+    return -(-ranks // ranks_per_gpu)
+
+
+def rank_gpus(ranks: int, ranks_per_gpu: int = 1) -> list[int]:
+    """Each rank's GPU among the `gpus_for(ranks, ranks_per_gpu)` it runs on: consecutive ranks
+    share (ranks 0..n-1 the first), as tensor-parallel neighbours would share a node."""
+    return [rank // ranks_per_gpu for rank in range(ranks)]
+
+
+def sharing_note(ranks: int, gpus: int) -> str | None:
+    """What a header or a report says of ranks sharing GPUs (the staged transport); None if they do not."""
+    if gpus >= ranks:
+        return None
+    return (f"{ranks} ranks on {gpus} GPU{'s' * (gpus > 1)}, collectives staged through gloo, not NCCL")
 
 
 def visible_gpu_ids() -> list[str]:

@@ -36,7 +36,7 @@ from .launcher_recovery import (POLL, REBUILT, RETURNED, abort_story, agree_grou
 from .launcher_watchdog import FREE_WAIT, OVER_WAIT, STOPPED, Call, Watchdog
 from .reports import (BrokenGroup, BrokenTimeout, RankFailure, RankTimeout, call_name, describe_ranks,
                       raised_lines)
-from .worker import to_cpu
+from .worker import RANK_DEVICE_ENV, to_cpu
 
 __all__ = ["BrokenGroup", "BrokenTimeout", "LauncherSession", "LauncherStopped", "launcher_rank",
            "launcher_world_size", "rank_place"]
@@ -166,15 +166,24 @@ class LauncherSession:
         except Exception:
             pass  # the launcher's store is gone: the run is over anyway
 
-    def _ensure_group(self, device: str, timeout: float):
+    def _ensure_group(self, device: str, timeout: float, ranks_per_gpu: int = 1):
         import torch
         import torch.distributed as dist
 
         if not dist.is_initialized():
+            os.environ[RANK_DEVICE_ENV] = device
+            backend = "gloo"
             if device == "cuda":
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+                # up to ranks_per_gpu local ranks share a GPU, over the staged transport
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) // ranks_per_gpu)
+                backend = "nccl"
+                if ranks_per_gpu > 1:
+                    from .staged import BACKEND, register
+
+                    register()
+                    backend = BACKEND
             # The group's own timeout is a backstop only: the watchdog enforces the call's.
-            dist.init_process_group("nccl" if device == "cuda" else "gloo", init_method="env://",
+            dist.init_process_group(backend, init_method="env://",
                                     timeout=datetime.timedelta(seconds=max(timeout, 1800.0)))
         if self.store is None:
             self.store = dist.distributed_c10d._get_default_store()
@@ -196,7 +205,7 @@ class LauncherSession:
     # -- one call
 
     def run(self, fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
-            device: str = "cpu", timeout: float, test: str = "") -> list[Any]:
+            device: str = "cpu", timeout: float, test: str = "", ranks_per_gpu: int = 1) -> list[Any]:
         # world_size and timeout: checked by the caller, pytest_linattn.ranks.dispatch.run_on_ranks
         if self.gone is not None:
             raise BrokenGroup("a rank was gone after an earlier call; no more distributed calls "
@@ -205,7 +214,7 @@ class LauncherSession:
             raise ValueError(f"world_size={world_size} but this run was launched with WORLD_SIZE="
                              f"{self.world_size}: under torchrun, spawn can only use the "
                              f"launcher's world size")
-        dist = self._ensure_group(device, timeout)
+        dist = self._ensure_group(device, timeout, ranks_per_gpu)
         self.calls += 1
         call = Call(self.calls, time.monotonic() + timeout, timeout)
         key = partial(self.key, call.number)

@@ -38,7 +38,7 @@ import traceback
 from typing import Any, Callable
 
 from . import reports, servers
-from .gpus import GpuLease, NotEnoughGpus, gpu_count
+from .gpus import GpuLease, NotEnoughGpus, gpu_count, gpus_for, rank_gpus, sharing_note
 from ..options import DEFAULT_TIMEOUT, DEVICES, parse_device, parse_timeout
 from .reports import FAILURE_GRACE, RankFailure, RankTimeout
 from .worker import add_rank_records, rank_main, task_message, to_cpu
@@ -108,11 +108,32 @@ class Pool:
     """world_size ranks of one device with an initialised process group, reusable until broken."""
 
     def __init__(self, world_size: int, device: str = "cpu", *, timeout: float = DEFAULT_TIMEOUT,
-                 gpu_ids: list[str] | None = None, fla: bool = False):
+                 gpu_ids: list[str] | None = None, fla: bool = False, ranks_per_gpu: int = 1,
+                 backend: str | None = None):
+        """gpu_ids: the GPUs of a cuda pool (CUDA_VISIBLE_DEVICES of its ranks), up to
+        `ranks_per_gpu` ranks on each. backend: the process group's; by default gloo on cpu,
+        nccl on cuda, and the staged transport (pytest_linattn.ranks.staged) where ranks share a
+        GPU; "staged" on cpu runs that transport over CPU tensors."""
         self.world_size = check_world_size(world_size)
         if device not in _POOL_DEVICES:
             raise ValueError(f"device must be one of {', '.join(_POOL_DEVICES)}, got {device!r}")
         self.device = device
+        self.ranks_per_gpu = ranks_per_gpu
+        self.rank_gpus = rank_gpus(world_size, ranks_per_gpu) if device == "cuda" else [None] * world_size
+        gpus = len(set(self.rank_gpus))
+        if device == "cuda" and len(gpu_ids or []) < gpus:
+            raise ValueError(f"{world_size} ranks at {ranks_per_gpu} per GPU need {gpus} GPU ids, got {gpu_ids!r}")
+        own_gpus = device == "cuda" and gpus == world_size
+        allowed = ("gloo", "staged") if device == "cpu" else ("nccl", "staged") if own_gpus else ("staged",)
+        backend = backend or allowed[0]
+        if backend not in allowed:
+            raise ValueError(f"backend must be one of {', '.join(allowed)} for {world_size} {device} ranks"
+                             + (f" on {gpus} GPU(s) (NCCL needs a GPU per rank)" if device == "cuda" else "")
+                             + f", got {backend!r}")
+        self.backend = backend
+        # what every report of this pool says of its transport, when it is not the usual one
+        self.transport_note = (sharing_note(world_size, gpus) if device == "cuda"
+                               else "collectives staged through gloo" if backend == "staged" else None)
         self.broken = False
         self._closed = False
         self._tmpdir = _make_tmpdir()
@@ -142,7 +163,7 @@ class Pool:
         env = dict(os.environ)  # the rank's whole environment: a server's is from its own start
         if self.device == "cuda":
             env["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids or [])
-        if (self.device == "cpu" and "GLOO_SOCKET_IFNAME" not in os.environ
+        if (self.backend != "nccl" and "GLOO_SOCKET_IFNAME" not in os.environ
                 and os.path.exists("/sys/class/net/lo")):
             # All ranks share this host: loopback always works, while the hostname may resolve
             # to an address gloo cannot bind in a container.
@@ -156,7 +177,8 @@ class Pool:
             parent_conn, child_conn = multiprocessing.Pipe(duplex=True)
             proc = start.process(
                 target=rank_main, name=f"linattn-rank{rank}", daemon=True,
-                args=(rank, self.world_size, self.device, self._store.port, child_conn, start.parent_pid,
+                args=(rank, self.world_size, self.device, self.backend, self.rank_gpus[rank], self._store.port,
+                      child_conn, start.parent_pid,
                       start.pdeathsig, self._dump_paths[rank], env, list(sys.path), pg_timeout))
             proc.start()
             child_conn.close()
@@ -235,7 +257,10 @@ class Pool:
         except (OSError, ValueError):
             pass  # a dead rank: _collect reports it
         try:
-            replies = self._collect(timeout, what=reports.call_name(fn, self.world_size))
+            what = reports.call_name(fn, self.world_size)
+            if self.transport_note:
+                what += f" ({self.transport_note})"
+            replies = self._collect(timeout, what=what)
         except BaseException:
             self.kill()
             raise
@@ -320,8 +345,9 @@ class PoolManager:
     """
 
     def __init__(self, device: str = "cpu", *, lock_dir: str | None = None,
-                 lease_timeout: float = 600.0):
+                 lease_timeout: float = 600.0, ranks_per_gpu: int = 1):
         self.device = resolve_device(device)
+        self.ranks_per_gpu = ranks_per_gpu  # on cuda: up to this many ranks share a GPU
         self.lock_dir = lock_dir
         self.lease_timeout = lease_timeout
         self._pools: dict[int, Pool] = {}
@@ -347,14 +373,19 @@ class PoolManager:
         self._discard(world_size)
         gpu_ids = None
         if self.device == "cuda":
-            lease = GpuLease(world_size, lock_dir=self.lock_dir)
+            lease = GpuLease(gpus_for(world_size, self.ranks_per_gpu), lock_dir=self.lock_dir)
             # Our own idle pools hold GPUs too: free them rather than wait on ourselves.
-            lease.acquire(timeout=self.lease_timeout, on_wait=self._free_gpus)
+            try:
+                lease.acquire(timeout=self.lease_timeout, on_wait=self._free_gpus)
+            except NotEnoughGpus as exc:
+                shared = f" at {self.ranks_per_gpu} ranks per GPU" if self.ranks_per_gpu > 1 else ""
+                raise NotEnoughGpus(f"{world_size} ranks{shared}: {exc} (--linattn-ranks-per-gpu N lets up "
+                                    f"to N ranks share a GPU)") from None
             self._leases[world_size] = lease
             gpu_ids = lease.ids
         try:
             pool = Pool(world_size, self.device, timeout=timeout, gpu_ids=gpu_ids,
-                        fla=fla or servers.process_uses_fla())
+                        fla=fla or servers.process_uses_fla(), ranks_per_gpu=self.ranks_per_gpu)
         except BaseException:
             self._discard(world_size)
             raise

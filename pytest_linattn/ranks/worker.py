@@ -32,9 +32,10 @@ import types
 
 from .blocked import BlockedLook
 
-__all__ = ["add_rank_records", "rank_main", "set_parent_death_signal", "task_message", "to_cpu",
+__all__ = ["RANK_DEVICE_ENV", "add_rank_records", "rank_main", "set_parent_death_signal", "task_message", "to_cpu",
            "trim_stack"]
 
+RANK_DEVICE_ENV = "LINATTN_RANK_DEVICE"  # cpu | cuda: where this rank computes (set by the pool and the launcher)
 _PARENT_POLL = 0.5
 _BLOCKED_LOOK = 0.1  # how often a rank looks whether its main thread is blocked
 
@@ -272,17 +273,19 @@ def _run_task_inner(msg: bytes) -> tuple:
     return ("ok", result)
 
 
-def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, dump_path, env,
+def rank_main(rank, world_size, device, backend, gpu, port, conn, parent_pid, use_pdeathsig, dump_path, env,
               sys_path, pg_timeout):
     """A rank's process (spawned, or forked from a preloaded server: pytest_linattn.ranks.servers):
-    join the process group through the parent's store on `port`, say "ready", then answer calls
-    on `conn` until told to stop. `parent_pid`: the pid this process's parent has; `env`: the
-    whole environment it runs in (a server's own dates from the server's start)."""
+    join the process group (`backend`: gloo, nccl, or staged for ranks sharing a GPU) through the
+    parent's store on `port`, say "ready", then answer calls on `conn` until told to stop. `gpu`:
+    this rank's GPU among the visible ones (cuda). `parent_pid`: the pid this process's parent
+    has; `env`: the whole environment it runs in (a server's own dates from the server's start)."""
     from .servers import detach_from_server
 
     detach_from_server()
     os.environ.clear()
     os.environ.update(env)
+    os.environ[RANK_DEVICE_ENV] = device
     # Ctrl-C reaches the whole process group: the parent handles it and shuts the ranks down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent(parent_pid, use_pdeathsig)
@@ -307,12 +310,16 @@ def rank_main(rank, world_size, device, port, conn, parent_pid, use_pdeathsig, d
         timeout = datetime.timedelta(seconds=pg_timeout)
         store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timeout)
         if device == "cuda":
-            torch.cuda.set_device(rank)
+            torch.cuda.set_device(gpu)
+        if backend == "nccl":
             dist.init_process_group("nccl", store=store, rank=rank, world_size=world_size,
-                                    timeout=timeout, device_id=torch.device("cuda", rank))
+                                    timeout=timeout, device_id=torch.device("cuda", gpu))
         else:
-            dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                                    timeout=timeout)
+            if backend == "staged":
+                from .staged import register
+
+                register()
+            dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=timeout)
     except BaseException:
         conn.send(("error", traceback.format_exc()))
         return
