@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One call on a lent H200 machine (see ../shared/gpu/README.md): install the GPU kit's wheels
 # (.whl/, carried), then rerun the given GPU test files through linattn-rerun, one run per home
-# suite, the suites side by side (gpu-1 on the first GPU; gpu-2 leases its two through the plugin).
+# suite, the suites side by side (gpu-1 on the first GPU; gpu-2 and gpu-4 lease theirs through the
+# plugin). On a machine with fewer GPUs than a suite needs, its ranks share them
+# (`linattn-rerun --ranks-per-gpu auto`: the staged transport, not NCCL; gpu-2 and gpu-4 on one
+# GPU then take turns, each pool leasing the GPU whole).
 #   usage: .ci/gpu.sh suites/gpu-1/test_x.py suites/gpu-2/test_y.py ...
 #   env:   LINATTN_GPU_LIMIT   seconds the whole call may take (default 600, the device's limit
 #          per command), counted from LINATTN_GPU_START (epoch seconds, default now: export it to
@@ -57,7 +60,7 @@ for suite in "${!files_of[@]}"; do
   visible=""; [ "$suite" = gpu-1 ] && visible=0
   # shellcheck disable=SC2086  # the file list splits on purpose
   ( [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES=$visible
-    timeout -s TERM -k 30 "$BUDGET" python3 -m pytest_linattn.rerun --out "$LOGS/$suite" ${files_of[$suite]} \
+    timeout -s TERM -k 30 "$BUDGET" python3 -m pytest_linattn.rerun --ranks-per-gpu auto --out "$LOGS/$suite" ${files_of[$suite]} \
       > "$LOGS/$suite.log" 2>&1 ) &
   pids+=($!)
 done

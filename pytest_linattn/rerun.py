@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
 from pytest_linattn.ranks.gpus import gpu_count as visible_gpu_count
+from pytest_linattn.ranks.gpus import gpus_for, sharing_note
 from pytest_linattn.ranks.worker import set_parent_death_signal
 from pytest_linattn.suites import Suite, SuiteConfigError, find_root, load_suites
 
@@ -128,20 +129,44 @@ def gpu_count() -> int:
     return visible_gpu_count()
 
 
-def check_resources(groups: dict[str, list[str]], suites: dict[str, Suite], gpus: int | None = None) -> list[str]:
-    """One line per suite this machine cannot run (empty when all can)."""
+def parse_ranks_per_gpu(value: str) -> str:
+    """--ranks-per-gpu: a positive count, or auto."""
+    if value != "auto" and not (value.isdigit() and int(value) >= 1):
+        raise argparse.ArgumentTypeError(f"expected a positive integer or auto, got {value!r}")
+    return value
+
+
+def ranks_per_gpu(suite: Suite, asked: str, gpus: int) -> int:
+    """The ranks that share a GPU in `suite` on a machine with `gpus` GPUs: `asked` (a count), or
+    auto: as few as fit (1, NCCL, where the machine has the suite's GPUs; else ceil(needed / gpus))."""
+    if asked != "auto":
+        return int(asked)
+    return 1 if not suite.gpus or gpus >= suite.gpus else -(-suite.gpus // max(gpus, 1))
+
+
+def check_resources(groups: dict[str, list[str]], suites: dict[str, Suite], gpus: int | None = None,
+                    per_gpu: str = "1") -> list[str]:
+    """One line per suite this machine cannot run (empty when all can); per_gpu as --ranks-per-gpu."""
     needed = [n for n in groups if suites[n].gpus]
     if not needed:
         return []
     have = gpu_count() if gpus is None else gpus
-    return [f"suite {n} needs {suites[n].gpus} GPU{'s' * (suites[n].gpus > 1)}, this machine has {have}: "
-            f"refusing {', '.join(groups[n])}" for n in needed if suites[n].gpus > have]
+    lines = []
+    for n in needed:
+        shared = ranks_per_gpu(suites[n], per_gpu, have)
+        need = gpus_for(suites[n].gpus, shared)
+        if need > have:
+            how = f" at {shared} ranks per GPU" if shared > 1 else ""
+            lines.append(f"suite {n} needs {need} GPU{'s' * (need > 1)}{how}, this machine has {have}: "
+                         f"refusing {', '.join(groups[n])}")
+    return lines
 
 
 # --- running ---
 
-def pytest_command(suite: Suite, files: list[str], out: Path) -> list[str]:
-    return [sys.executable, "-m", "pytest", *files, *suite.pytest_options(),
+def pytest_command(suite: Suite, files: list[str], out: Path, per_gpu: int = 1) -> list[str]:
+    shared = ["--linattn-ranks-per-gpu", str(per_gpu)] if per_gpu > 1 else []
+    return [sys.executable, "-m", "pytest", *files, *suite.pytest_options(), *shared,
             f"--junitxml={out / (suite.name + '.xml')}", "-o", f"junit_suite_name={suite.name}"]
 
 
@@ -158,6 +183,7 @@ class SuiteResult:
     failures: list[tuple[str, str]] = field(default_factory=list)  # (test, first error line)
     has_report: bool = False
     interrupted: bool = False
+    transport: str | None = None  # ranks sharing GPUs: what the summary says of them
 
     @property
     def ok(self) -> bool:
@@ -207,13 +233,13 @@ def first_error_line(element) -> str:
     return ""
 
 
-def run_suite(suite: Suite, files: list[str], root: Path, out: Path) -> SuiteResult:
+def run_suite(suite: Suite, files: list[str], root: Path, out: Path, per_gpu: int = 1) -> SuiteResult:
     xml = out / f"{suite.name}.xml"
     xml.unlink(missing_ok=True)  # never report a previous run's results
     start = time.monotonic()
     # a list: no shell; its own process group, so a signal to ours (Ctrl-C, `timeout`) reaches
     # pytest only as the SIGINT forwarded below
-    proc = subprocess.Popen(pytest_command(suite, files, out), cwd=root, process_group=0,
+    proc = subprocess.Popen(pytest_command(suite, files, out, per_gpu), cwd=root, process_group=0,
                             preexec_fn=_child_signals)
     interrupted = False
     try:
@@ -229,7 +255,9 @@ def run_suite(suite: Suite, files: list[str], root: Path, out: Path) -> SuiteRes
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
-    result = SuiteResult(suite.name, files, proc.returncode, time.monotonic() - start, interrupted=interrupted)
+    transport = sharing_note(suite.gpus, gpus_for(suite.gpus, per_gpu)) if suite.gpus else None
+    result = SuiteResult(suite.name, files, proc.returncode, time.monotonic() - start, interrupted=interrupted,
+                         transport=transport)
     return read_junit(xml, result)
 
 
@@ -269,6 +297,9 @@ def summary_markdown(results: list[SuiteResult]) -> str:
         lines += ["", "**Failing tests**", ""]
         lines += [f"- `{_cell(t)}` ({s}): `{_cell(e)[:200]}`" for s, t, e in bad]
     for r in results:
+        if r.transport:
+            lines += ["", f"Suite {r.suite}: {r.transport} (--linattn-ranks-per-gpu)."]
+    for r in results:
         if r.interrupted:
             lines += ["", f"Suite {r.suite} was interrupted: the test running then is not counted, "
                           "later tests and suites did not run."]
@@ -289,6 +320,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="print the pytest commands; skip the GPU check")
     p.add_argument("--out", default="reports/rerun", help="folder for <suite>.xml and summary.md (default reports/rerun)")
     p.add_argument("--root", help="repository root (default: nearest folder above with suites/suites.toml)")
+    p.add_argument("--ranks-per-gpu", default="1", type=parse_ranks_per_gpu, metavar="N|auto",
+                   help="up to N ranks of a GPU suite share a GPU (--linattn-ranks-per-gpu, the staged transport); "
+                        "auto: only where this machine has fewer GPUs than the suite needs (default 1)")
     return p
 
 
@@ -310,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         # Unknown options land in extra: they are checked like any other token (and refused).
         groups = group_request(request_tokens(args.items + extra), root, suites)
         if not args.dry_run:
-            missing = check_resources(groups, suites)
+            missing = check_resources(groups, suites, per_gpu=args.ranks_per_gpu)
             if missing:
                 raise BadRequest(missing)
     except SuiteConfigError as e:
@@ -329,11 +363,12 @@ def main(argv: list[str] | None = None) -> int:
         for name, files in groups.items():
             n = len(files)
             print(f"Running {n} file{'s' * (n != 1)} whose home suite is {name}", flush=True)
-            cmd = pytest_command(suites[name], files, out)
+            per_gpu = ranks_per_gpu(suites[name], args.ranks_per_gpu, gpu_count())
+            cmd = pytest_command(suites[name], files, out, per_gpu)
             if args.dry_run:
                 print(f"  (in {root}) {shlex.join(cmd)}", flush=True)
                 continue
-            results.append(run_suite(suites[name], files, root, out))
+            results.append(run_suite(suites[name], files, root, out, per_gpu))
             if results[-1].interrupted:
                 break  # the remaining suites are not run; the summary lists what did
     finally:

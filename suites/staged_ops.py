@@ -8,6 +8,15 @@ from __future__ import annotations
 import torch
 
 
+def assert_every_op_carried(per_rank: list[dict]) -> None:
+    """check_every_op's results from every rank: nothing wrong, and every rank checked the ops
+    (rank 0 also the gather's result, rank 1 the receives)."""
+    for rank, checks in enumerate(per_rank):
+        wrong = {op: why for op, why in checks.items() if why is not None}
+        assert not wrong, f"rank {rank}: {wrong}"
+    assert len(per_rank[0]) >= 30 and "recv from any source" in per_rank[1], sorted(per_rank[1])
+
+
 def _check(failures: dict, name: str, got, want) -> None:
     got = got if isinstance(got, torch.Tensor) else torch.as_tensor(got)
     want = want if isinstance(want, torch.Tensor) else torch.as_tensor(want)

@@ -190,6 +190,28 @@ def test_check_resources_counts_injected_gpus(root):
     assert rerun.check_resources({"cpu": ["x"]}, suites, gpus=None) == []  # no GPU asked, none counted
 
 
+def test_ranks_share_a_gpu_where_asked(root, monkeypatch, capsys):
+    suites = load_suites(root)
+    req = {"gpu-2": ["suites/gpu-2/test_tp.py"]}
+    # auto shares only where the machine is short of GPUs: NCCL wherever each rank has one
+    assert [rerun.ranks_per_gpu(suites["gpu-2"], "auto", gpus) for gpus in (0, 1, 2, 8)] == [2, 2, 1, 1]
+    assert rerun.ranks_per_gpu(suites["cpu"], "auto", 1) == 1 and rerun.ranks_per_gpu(suites["gpu-2"], "4", 8) == 4
+    assert rerun.check_resources(req, suites, gpus=1, per_gpu="auto") == []
+    assert rerun.check_resources(req, suites, gpus=0, per_gpu="2") == [
+        "suite gpu-2 needs 1 GPU at 2 ranks per GPU, this machine has 0: refusing suites/gpu-2/test_tp.py"]
+    monkeypatch.setenv(rerun.GPU_COUNT_ENV, "1")
+    assert run(root, "--dry-run", "--ranks-per-gpu", "auto", "suites/gpu-2/test_tp.py", "suites/cpu/test_ok.py") == 0
+    out = capsys.readouterr().out
+    assert "--linattn-device cuda --linattn-timeout 300 --linattn-ranks-per-gpu 2 --junitxml=" in out
+    assert "--linattn-ranks-per-gpu" not in next(line for line in out.splitlines() if "test_ok.py" in line)
+    assert run(root, "--ranks-per-gpu", "0", "suites/cpu/test_ok.py") == 2
+    assert "expected a positive integer or auto, got '0'" in capsys.readouterr().err
+    result = rerun.SuiteResult("gpu-2", ["suites/gpu-2/test_tp.py"], 0, 1.0, passed=1, has_report=True,
+                               transport="2 ranks on 1 GPU, collectives staged through gloo, not NCCL")
+    assert ("Suite gpu-2: 2 ranks on 1 GPU, collectives staged through gloo, not NCCL (--linattn-ranks-per-gpu)."
+            in rerun.summary_markdown([result]))
+
+
 def test_dry_run_prints_exact_commands_without_gpus(root, capsys):
     assert run(root, "--dry-run", "/rerun-test suites/gpu-2/test_tp.py suites/cpu/test_ok.py "
                                   "suites/cpu/test_fails.py") == 0
