@@ -64,6 +64,12 @@ def _check_every_op(device: str) -> dict[str, str | None]:
     out = torch.empty(2 * W, device=dev)
     dist.all_gather_into_tensor(out, full(2, r))
     _check(f, "all_gather_into_tensor", out, ranks.repeat_interleave(2))
+    out = torch.empty(W, 3, 2, device=dev)  # shapes NCCL takes as they are (fla's CP gathers so)
+    dist.all_gather_into_tensor(out, full(6, r).reshape(1, 3, 2))
+    _check(f, "all_gather_into_tensor [1,3,2] -> [W,3,2]", out.reshape(-1), ranks.repeat_interleave(6))
+    out = torch.empty(2, device=dev)
+    dist.reduce_scatter_tensor(out, torch.ones(W, 2, device=dev) * (r + 1))
+    _check(f, "reduce_scatter_tensor [W,2] -> [2]", out, [float(ranks.sum() + W)] * 2)
     outs = [torch.empty(2, device=dev) for _ in range(W)]
     dist.all_gather(outs, full(2, r))
     _check(f, "all_gather", torch.cat(outs), ranks.repeat_interleave(2))

@@ -260,7 +260,9 @@ class StagedGroup(dist.ProcessGroup):
             raise ValueError(f"staged transport: all_gather_into_tensor: output has {output.numel()} elements, "
                              f"expected input's {input.numel()} x {self._size} ranks")
         out, inp = _host_like(output), _host(input)
-        self._inner._allgather_base(_wire(out), _wire(inp), opts).wait()
+        # flat: NCCL takes any shapes of matching sizes (fla's CP gathers [1, n, d] into [W, n, d]),
+        # gloo wants the output in chunks of the input's shape
+        self._inner._allgather_base(_wire(out).reshape(-1), _wire(inp).reshape(-1), opts).wait()
         output.copy_(out)
         return _done([output])
 
