@@ -8,6 +8,19 @@ from __future__ import annotations
 import torch
 
 
+def check_ranks_sharing_a_gpu(spawn, world_size: int) -> None:
+    """gpu-2's and gpu-4's test: every op, and every refusal, on CUDA tensors of `world_size` ranks
+    sharing one GPU; skipped where each rank has a GPU of its own (NCCL, not this transport)."""
+    import pytest
+
+    if spawn.ranks_per_gpu < 2:
+        pytest.skip(f"each rank has a GPU of its own: NCCL, not the staged transport (--linattn-ranks-per-gpu "
+                    f"{world_size} runs it)")
+    assert_every_op_carried(spawn(check_every_op, world_size, "cuda"))
+    refused = spawn(refused_ops, world_size, "cuda")[0]
+    assert all(why != "no error" for why in refused.values()), refused
+
+
 def assert_every_op_carried(per_rank: list[dict]) -> None:
     """check_every_op's results from every rank: nothing wrong, and every rank checked the ops
     (rank 0 also the gather's result, rank 1 the receives)."""

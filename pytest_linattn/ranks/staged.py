@@ -106,6 +106,13 @@ class _Deferred(dist._Work):
         return self._future
 
 
+def _each_pair(op, outputs, inputs, opts) -> dist.Work:
+    """A coalesced op as its single op on each (output, input) pair, one after another."""
+    for output, input in zip(outputs, inputs):
+        op(output, input, opts)
+    return _done(outputs)
+
+
 def _options(opts, kind):
     return kind() if opts is None else opts
 
@@ -216,9 +223,7 @@ class StagedGroup(dist.ProcessGroup):
     reduce_scatter_single = _reduce_scatter_base  # torch >= 2.13's name
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self._reduce_scatter_base(output, input, opts)
-        return _done(outputs)
+        return _each_pair(self._reduce_scatter_base, outputs, inputs, opts)
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -269,9 +274,7 @@ class StagedGroup(dist.ProcessGroup):
     all_gather_single = _allgather_base  # torch >= 2.13's name
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
-        for output, input in zip(outputs, inputs):
-            self._allgather_base(output, input, opts)
-        return _done(outputs)
+        return _each_pair(self._allgather_base, outputs, inputs, opts)
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 

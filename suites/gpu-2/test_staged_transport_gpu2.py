@@ -8,17 +8,10 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from staged_ops import assert_every_op_carried, check_every_op, refused_ops  # noqa: E402
+from staged_ops import check_ranks_sharing_a_gpu  # noqa: E402
 
 pytestmark = pytest.mark.gpus(2)
 
-WORLD = 2
-
 
 def test_every_op_on_ranks_sharing_a_gpu(spawn):
-    if spawn.ranks_per_gpu < 2:
-        pytest.skip("each rank has a GPU of its own: NCCL, not the staged transport (--linattn-ranks-per-gpu "
-                    "2 runs it)")
-    assert_every_op_carried(spawn(check_every_op, WORLD, "cuda"))
-    refused = spawn(refused_ops, WORLD, "cuda")[0]
-    assert all(why != "no error" for why in refused.values()), refused
+    check_ranks_sharing_a_gpu(spawn, 2)
