@@ -142,7 +142,8 @@ class HeadShardedLinearAttention(nn.Module):
         of the whole batch (the same on every CP rank): each sequence starts from its row instead
         of zeros (a continued prefill; under CP on whichever rank the sequence starts).
         output_final_state: return `(y, LayerState)`, every sequence's state after its tokens,
-        whole on every CP rank."""
+        whole on every CP rank (its gradient must be whole on every CP rank too:
+        `linattn.parallel.cp.conv.sequences_ending_here`)."""
         cu_seqlens, cp_context = self._check_inputs(hidden_states, cu_seqlens)
         carry = None
         if state is not None or output_final_state:

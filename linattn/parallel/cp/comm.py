@@ -162,8 +162,7 @@ class _SumOverCPRanks(torch.autograd.Function):
 
 
 def sum_over_cp_ranks(x: torch.Tensor, group) -> torch.Tensor:
-    """The sum of every rank's ``x`` on every rank; backward passes each rank's gradient to its own
-    ``x`` (as a layer's output all-reduce over TP). Per-sequence final states come back whole this
-    way: each rank fills the rows of the sequences that end on it, zeros elsewhere, so a loss
-    every rank computes on the whole result reaches each row's owner once."""
+    """The sum of every rank's ``x``, on every rank; backward passes each rank's gradient to its own
+    ``x`` (as a layer's output all-reduce over TP), so the gradient given on each rank must be the
+    whole one. No collective in backward: nothing to order against the other ops' backward."""
     return _SumOverCPRanks.apply(x, group)

@@ -45,8 +45,9 @@ def short_conv(
     whose first sequence started earlier takes its halo from the state too where the earlier
     ranks hold fewer than W-1 of its tokens (a continued prefill). output_final_state: also
     return every sequence's final conv state ``[N, D, W-1]``, whole on every rank (each computed
-    where its sequence ends; ``sum_over_cp_ranks``). Both run on the ``"exchange"`` backend only
-    (fla's CP conv takes no cache: it asserts so), with a piece_op that takes them.
+    where its sequence ends; its gradient: ``sequences_ending_here``). Both run on the
+    ``"exchange"`` backend only (fla's CP conv takes no cache: it asserts so), with a piece_op
+    that takes them (``linattn.kernels.short_conv`` does).
     """
     check_call(cp_context, backend, piece_op)
     ctx = cp_context
@@ -63,19 +64,27 @@ def short_conv(
         return fla_backend.short_conv(x, weight, bias, activation, cp_context=ctx)
 
     conv = piece_op or kernels.short_conv
+    state = {}
     if with_state:
-        return _short_conv_with_state(x, weight, bias, activation, conv, ctx, initial_state, output_final_state)
+        state = dict(initial_state=_local_conv_state(initial_state, x, W, ctx), output_final_state=True)
     cu = ctx.local_cu_seqlens
     if W == 1 or not any(ctx.first_seq_offset):
-        return conv(x, weight, cu_seqlens=ctx.local_cu_seqlens_on(x.device), bias=bias, activation=activation)
-
-    halo = _halo(x, ctx, W)
-    halo_len = halo.shape[0]
-    x_ext = torch.cat([halo.unsqueeze(0), x], dim=1)
-    cu_ext = cu + halo_len
-    cu_ext[0] = 0
-    y = conv(x_ext, weight, cu_seqlens=cu_ext.to(device=x.device, dtype=torch.int32), bias=bias, activation=activation)
-    return y[:, halo_len:]
+        out = conv(x, weight, cu_seqlens=ctx.local_cu_seqlens_on(x.device), bias=bias, activation=activation, **state)
+    else:
+        # the halo goes in front of the piece as tokens of its first sequence (empty where that
+        # sequence starts here), from that sequence's state where it is shorter than W-1
+        halo = _halo(x, ctx, W)
+        halo_len = halo.shape[0]
+        x_ext = torch.cat([halo.unsqueeze(0), x], dim=1)
+        cu_ext = cu + halo_len
+        cu_ext[0] = 0
+        out = conv(x_ext, weight, cu_seqlens=cu_ext.to(device=x.device, dtype=torch.int32), bias=bias,
+                   activation=activation, **state)
+        out = (out[0][:, halo_len:], out[1]) if with_state else out[:, halo_len:]
+    if not with_state:
+        return out
+    y, final = out
+    return (y, sequences_ending_here(final, ctx, ctx.cu_seqlens.numel() - 1)) if output_final_state else y
 
 
 def _halo(x, ctx, W):
@@ -91,34 +100,27 @@ def _halo(x, ctx, W):
     return tails[src, pos - (src * local + local - n_tail)]
 
 
-def _short_conv_with_state(x, weight, bias, activation, conv, ctx, initial_state, output_final_state):
-    """The piece's conv from each local sequence's incoming conv state: the given one where the
-    sequence starts here, else the last W-1 of (given state, its tokens on earlier ranks)."""
+def _local_conv_state(initial_state, x, W, ctx):
+    """The conv state of the piece's sequences: each one's row of the global ``[N, D, W-1]``
+    (zeros for None). A first sequence that started earlier gets its row too: its halo tokens go
+    in front of it and shift that state out as far as they reach."""
     ctx.check_state_packing()
-    W, D = weight.shape[-1], x.shape[-1]
-    N = ctx.cu_seqlens.numel() - 1
+    D, N = x.shape[-1], ctx.cu_seqlens.numel() - 1
     if initial_state is None:
         initial_state = x.new_zeros(N, D, W - 1)
     require(tuple(initial_state.shape) == (N, D, W - 1), "initial_state",
             f"must be the conv state [N={N}, D={D}, W-1={W - 1}] of every sequence of the batch, "
             f"got {tuple(initial_state.shape)}")
-    first, count = ctx.first_sequence, ctx.local_cu_seqlens.numel() - 1
-    local_state = initial_state[first:first + count]
-    if W > 1 and any(ctx.first_seq_offset):
-        halo = _halo(x, ctx, W)  # collective: every rank, whether or not its piece continues
-        if ctx.first_seq_continues:
-            incoming = torch.cat([local_state[0].transpose(0, 1), halo.to(local_state.dtype)])[-(W - 1):]
-            local_state = torch.cat([incoming.transpose(0, 1).unsqueeze(0), local_state[1:]])
-    y, final = conv(x, weight, cu_seqlens=ctx.local_cu_seqlens_on(x.device), bias=bias, activation=activation,
-                    initial_state=local_state, output_final_state=True)
-    if not output_final_state:
-        return y
-    return y, sequences_ending_here(final, ctx, N)
+    return initial_state[ctx.first_sequence:ctx.first_sequence + ctx.local_cu_seqlens.numel() - 1]
 
 
 def sequences_ending_here(final: torch.Tensor, ctx, num_sequences: int) -> torch.Tensor:
-    """``[N, ...]`` final states of the whole batch on every rank, from the piece's own (rows of
-    the sequences that end on it; ``sum_over_cp_ranks``)."""
+    """``[N, ...]`` final states of the whole batch on every rank, each from the rank where its
+    sequence ends (every rank fills its rows, zeros elsewhere; ``sum_over_cp_ranks``). Backward,
+    each rank's gradient goes to the rows it computed: the gradient of the final states must be
+    whole on every rank, as a TP layer's output gradient is. A caller chaining calls under
+    autograd, where the next call uses each row on one rank only, sums that gradient over the CP
+    ranks first (pytest_linattn's continuation check does, call by call)."""
     ending = ctx.ending_sequences
     before = final.new_zeros((ctx.first_sequence,) + tuple(final.shape[1:]))
     after = final.new_zeros((num_sequences - ctx.first_sequence - ending,) + tuple(final.shape[1:]))

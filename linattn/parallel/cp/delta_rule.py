@@ -53,7 +53,7 @@ def delta_rule(
     initial_state ``[N, HV, K, V]``: every sequence of the GLOBAL batch starts from its own, on
     whichever rank it starts (a continued prefill: what fla's CP refuses). output_final_state:
     also return every sequence's final state ``[N, HV, K, V]``, whole on every rank (each
-    computed where its sequence ends; ``sum_over_cp_ranks``): ``(o, final_state)``. Both run on
+    computed where its sequence ends; gradient as ``conv.sequences_ending_here``): ``(o, final_state)``. Both run on
     the ``"exchange"`` backend only.
     """
     require(op in OPS, "op", f"must be one of {OPS}, got {op!r}")
