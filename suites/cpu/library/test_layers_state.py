@@ -19,6 +19,8 @@ import torch
 
 from layer_parity import FAMILIES, linattn_state_path, make_config, random_state_dict
 from linattn.layers import LayerState, build_layer
+from linattn.layers import shard_layer_state as _layer_state_shard
+from linattn.layers import unshard_layer_state as _layer_state_unshard
 from linattn.reference.delta_rule import CHUNK_SIZE
 from pytest_linattn.harness import Placement, assert_continuation_parity
 from pytest_linattn.parity import capture_records
@@ -52,3 +54,78 @@ def test_tp_continuation_matches_full_forward(spawn, tp_size, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp_continued_prefill_matches_full_forward(spawn, cp_size, family):
     check(spawn, make_config(family, 1), Placement(cp=cp_size), seed=20 + FAMILIES.index(family))
+
+
+# ---- planted bugs: wrappers around the layer's calls (module-level: the ranks get them by reference) ----
+
+
+def _rows_where(mask, rows, other):
+    """`rows` `[N, ...]` with the rows where `mask` `[N]` holds replaced by `other`'s."""
+    return torch.where(mask.view(-1, *[1] * (rows.dim() - 1)), other, rows)
+
+
+def prefill_restarting_multi_token_chunks(module, x, cu_seqlens, state, placement):
+    """transformers <= 5.6.0 (#45513): a multi-token chunk with a populated cache restarts from zero."""
+    multi = (cu_seqlens.diff() > 1).to(x.device)
+    state = LayerState(*(_rows_where(multi, s, torch.zeros_like(s)) for s in state))
+    return module(x, cu_seqlens, state, output_final_state=True)
+
+
+def prefill_dropping_the_oldest_conv_column(module, x, cu_seqlens, state, placement):
+    """A conv cache one column short: the oldest of its W-1 inputs is not kept (zero)."""
+    y, new = module(x, cu_seqlens, state, output_final_state=True)
+    conv = torch.cat([torch.zeros_like(new.conv[..., :1]), new.conv[..., 1:]], dim=-1)
+    return y, LayerState(conv, new.recurrent)
+
+
+def prefill_reading_a_stale_state_for_1_token_chunks(module, x, cu_seqlens, state, placement):
+    """vLLM #51483: a 1-token chunk taken for a decode reads a state slot that is not its own
+    (here the previous sequence's of the call, a stale one)."""
+    single = (cu_seqlens.diff() == 1).to(x.device)
+    state = LayerState(*(_rows_where(single, s, s.roll(1, dims=0)) for s in state))
+    return module(x, cu_seqlens, state, output_final_state=True)
+
+
+def shard_state_in_reversed_rank_order(config, state, placement, tp_rank):
+    """TP rank t gets the state of rank tp-1-t's heads (and gives it back there): a state laid out
+    in another head order than the weights."""
+    return _layer_state_shard(state, config, placement.tp - 1 - tp_rank, placement.tp)
+
+
+def unshard_state_in_reversed_rank_order(config, states, placement):
+    return _layer_state_unshard(list(reversed(states)), config)
+
+
+def planted(config, bug):
+    if bug == "reversed-tp-state":
+        return linattn_state_path(config, shard_state=functools.partial(shard_state_in_reversed_rank_order, config),
+                                  unshard_state=functools.partial(unshard_state_in_reversed_rank_order, config))
+    prefill = {"restart": prefill_restarting_multi_token_chunks, "conv-short": prefill_dropping_the_oldest_conv_column,
+               "stale-1-token": prefill_reading_a_stale_state_for_1_token_chunks}[bug]
+    return linattn_state_path(config, prefill=prefill)
+
+
+SEQ0 = "sequence 0 (chunks 1+3+65+1, then 2 decode steps)"
+SEQ1 = "sequence 1 (chunks 4+63+1, then 2 decode steps)"
+PLANTS = {
+    # every multi-token chunk restarts: the first is sequence 1's first chunk, from its initial state
+    "restart": f"first wrong token: {SEQ1}, chunk 1 of 3 (tokens 0..3, a 4-token chunk from the initial state), "
+               "token 0",
+    # the 1-token first chunk is right (its state comes from the check); the chunk after it reads
+    # the column that was dropped
+    "conv-short": f"first wrong token: {SEQ0}, chunk 2 of 4 (tokens 1..3, a 3-token chunk from the state after "
+                  "token 0), token 1",
+    "stale-1-token": f"first wrong token: {SEQ0}, chunk 1 of 4 (tokens 0..0, a 1-token chunk from the initial "
+                     "state), token 0",
+    "reversed-tp-state": f"first wrong token: {SEQ0}, chunk 1 of 4 (tokens 0..0, a 1-token chunk from the initial "
+                         "state), token 0",
+}
+
+
+@pytest.mark.tp_sizes(2)
+@pytest.mark.parametrize("bug", PLANTS)
+def test_planted_state_bug_is_caught(spawn, tp_size, bug):
+    config = make_config("qwen3_5", 2)
+    with capture_records(), pytest.raises(AssertionError) as info:
+        check(spawn, config, Placement(tp=tp_size), seed=30, path=planted(config, bug))
+    assert PLANTS[bug] in str(info.value), str(info.value)
