@@ -129,3 +129,68 @@ def test_planted_state_bug_is_caught(spawn, tp_size, bug):
     with capture_records(), pytest.raises(AssertionError) as info:
         check(spawn, config, Placement(tp=tp_size), seed=30, path=planted(config, bug))
     assert PLANTS[bug] in str(info.value), str(info.value)
+
+
+# ---- single-process rules ----------------------------------------------------------------------
+
+
+def test_no_state_passed_changes_nothing_and_a_split_conv_equals_one():
+    from linattn import kernels, reference
+
+    config = make_config("kda", 2)
+    layer = replicated(config, 5)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, int(CU[-1]), config.hidden_size, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        assert torch.equal(layer(x, CU), layer(x, CU, None, output_final_state=True)[0])
+    # the reference conv from a state equals one conv over (state, tokens); the kernel entry's
+    # recurrent mode equals its chunked one
+    w = torch.randn(6, 4, generator=gen, dtype=torch.float64)
+    seq = torch.randn(1, 11, 6, generator=gen, dtype=torch.float64)
+    y_full, s_full = reference.short_conv(seq, w, output_final_state=True)
+    y1, s1 = reference.short_conv(seq[:, :2], w, output_final_state=True)
+    y2, s2 = reference.short_conv(seq[:, 2:], w, initial_state=s1, output_final_state=True)
+    assert torch.allclose(torch.cat([y1, y2], 1), y_full, rtol=0, atol=1e-14) and torch.equal(s2, s_full)
+    q, k = (torch.randn(1, 9, 2, 4, generator=gen, dtype=torch.float64) for _ in range(2))
+    v, beta = torch.randn(1, 9, 2, 3, generator=gen, dtype=torch.float64), torch.rand(1, 9, 2, dtype=torch.float64)
+    g = -torch.rand(1, 9, 2, dtype=torch.float64)
+    h0 = torch.randn(1, 2, 4, 3, generator=gen, dtype=torch.float64)
+    chunk = kernels.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True)
+    step = kernels.gated_delta_rule(q, k, v, g, beta, initial_state=h0, output_final_state=True, mode="recurrent")
+    for a, b in zip(chunk, step):
+        assert torch.allclose(a, b, rtol=0, atol=1e-12)
+
+
+def test_bad_states_are_refused_naming_the_rule():
+    from linattn.parallel import cp
+
+    config = make_config("qwen3_5", 1)
+    layer = replicated(config, 5)
+    x = torch.zeros(1, int(CU[-1]), config.hidden_size, dtype=torch.float64)
+    good = LayerState(torch.zeros(4, config.conv_dim, 3, dtype=torch.float64),
+                      torch.zeros(4, config.num_v_heads, config.head_k_dim, config.head_v_dim, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"state.conv must be a floating-point tensor of shape \(4, 88, 3\)"):
+        layer(x, CU, LayerState(good.conv[..., :2], good.recurrent))
+    with pytest.raises(ValueError, match=r"state.recurrent must be .* \(one row per sequence\)"):
+        layer(x, CU, LayerState(good.conv, good.recurrent[:3]))
+    ctx = cp.build_context(CU, None, cp_rank=0, cp_size=1)
+    with pytest.raises(ValueError, match="backend 'fla' takes no initial state"):
+        cp.delta_rule(*(torch.zeros(1, int(CU[-1]), 1, 2) for _ in range(3)), torch.zeros(1, int(CU[-1]), 1),
+                      torch.zeros(1, int(CU[-1]), 1), op="gated_delta_rule", backend="fla", cp_context=ctx,
+                      output_final_state=True)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        from linattn import kernels
+        kernels.kda(*(torch.zeros(1, 2, 1, 2) for _ in range(4)), torch.zeros(1, 2, 1), mode="fused")
+
+
+def test_continuation_check_refuses_plans_that_do_not_cover_the_sequences(spawn):
+    from pytest_linattn.harness import SequencePlan
+
+    config = make_config("qwen3_5", 1)
+    with pytest.raises(ValueError, match=r"plans\[1\] covers 5 tokens"):
+        assert_continuation_parity(spawn, linattn_state_path(config), replicated(config, 5), [Placement()], CU,
+                                   hidden_size=config.hidden_size, seed=0, rtol=RTOL, conv_width=4,
+                                   plans=[SequencePlan((70,), 2), SequencePlan((3,), 2), SequencePlan((38,), 2),
+                                          SequencePlan((7,), 2)])
+    with pytest.raises(ValueError, match="contiguous CP without sequence parallel"):
+        check(spawn, config, Placement(cp=2, cp_layout="zigzag"), seed=0)
