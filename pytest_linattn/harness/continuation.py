@@ -228,8 +228,8 @@ def _token_calls(calls, T) -> list:
     return where
 
 
-def _describe_token(call, n, position, bounds, plans) -> str:
-    pl = plans[n]
+def _describe_token(call, position, pl) -> str:
+    """Where token `position` of a sequence cut by plan `pl` ran: its chunk or decode step."""
     if call.kind == "decode":
         return f"decode step {call.index + 1} of {pl.decode} (token {position})"
     start = sum(pl.chunks[:call.index])
@@ -256,7 +256,7 @@ def _first_wrong_token(actual, expected, bounds, plans, calls, rtol) -> str:
     position, n = min(firsts)
     t = bounds[n] + position
     wrong = sorted(n2 for _, n2 in firsts)
-    return (f"first wrong token: sequence {n} ({plans[n]}), {_describe_token(where[t], n, position, bounds, plans)}, "
+    return (f"first wrong token: sequence {n} ({plans[n]}), {_describe_token(where[t], position, plans[n])}, "
             f"error {float(per_token[t]):.1e} of the tokens' RMS norm; sequences with a wrong token: {wrong}")
 
 

@@ -7,7 +7,6 @@ out) and as inference (eval, no grad: fused_recurrent for calls of at most 64 to
 decode step, `causal_conv1d_update`). Unsharded: fla's layers have no TP of their own.
 """
 
-import functools
 
 import pytest
 import torch
