@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from pytest_linattn import Placement, assert_continuation_parity
-from transformers_tp.checkpoints import MODELS, config
-from transformers_tp.state_path import cached_forward, linear_attention_layer, state_path
+from transformers_tp.checkpoints import MODELS, config, write_checkpoint
+from transformers_tp.state_path import (cached_forward, checkpoint_layer, linear_attention_layer, state_path,
+                                        tp_plan_state_path)
 
 RTOL = 1e-5
 SEQLENS = (72, 70, 40, 9)
@@ -31,3 +32,18 @@ def test_cached_prefill_and_decode_match_one_forward(spawn, model):
     assert_continuation_parity(spawn, state_path(model, SEED), linear_attention_layer(model, SEED), [Placement()], CU,
                                hidden_size=hidden, seed=SEED, rtol=RTOL, conv_width=4, chunk_size=64,
                                reference_forward=cached_forward, name=model)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    root = tmp_path_factory.mktemp("state-path-checkpoints")
+    return lambda model: write_checkpoint(model, root / model)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_tp_plan_cached_prefill_and_decode_match_one_forward(spawn, checkpoint, model):
+    """Layer 0 of the checkpoint at TP 2 under transformers' own plan against the whole layer."""
+    path = checkpoint(model)
+    assert_continuation_parity(spawn, tp_plan_state_path(path), checkpoint_layer(path), [Placement(tp=2)], CU,
+                               hidden_size=config(model).hidden_size, seed=SEED, rtol=RTOL, conv_width=4,
+                               chunk_size=64, reference_forward=cached_forward, name=model)

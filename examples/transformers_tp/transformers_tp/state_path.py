@@ -104,3 +104,48 @@ def state_path(model: str, seed: int):
 
     layer = ShardedLayer(functools.partial(_build, model, seed), None, _first)  # shard None: built with the weights
     return StatePath(layer, prefill=prefill, decode=decode, differentiable=False)
+
+
+# ---- under transformers' own TP plan ----------------------------------------------------------
+
+
+def checkpoint_layer(checkpoint: str, tp_size: int = 1, dtype=torch.float64):
+    """Layer 0's linear-attention module of the CausalLM at `checkpoint`, loaded whole or sharded by
+    transformers' own plan (`client.load`), in eval mode."""
+    from .client import load
+
+    model = load(checkpoint, tp_size=tp_size, dtype=dtype)
+    layer = model.model.layers[0]
+    module = layer.linear_attn if hasattr(layer, "linear_attn") else layer.self_attn
+    module.model_config = model.config
+    return module.eval()
+
+
+def _build_from_checkpoint(checkpoint, placement, groups, dtype, device):
+    from .client import build
+
+    build(placement, groups, dtype, device, checkpoint=checkpoint)  # the placement and device rules only
+    return checkpoint_layer(checkpoint, placement.tp, dtype)
+
+
+def _whole_state(state, placement, tp_rank):
+    return state
+
+
+def _tp_rank_0_state(states, placement):
+    return states[0]
+
+
+def tp_plan_state_path(checkpoint: str):
+    """The StatePath of layer 0 under transformers' TP plan. The plan gathers the GDN projections'
+    outputs (`colwise_gather_output`) and leaves the conv, the recurrence and Kimi's KDA whole, so
+    every TP rank holds the whole state: shard_state gives it whole, unshard_state takes TP rank
+    0's (every rank's outputs are checked)."""
+    from pytest_linattn import ShardedLayer, StatePath
+
+    from .client import process_groups
+
+    layer = ShardedLayer(functools.partial(_build_from_checkpoint, checkpoint), None, _first,
+                         process_groups=process_groups)
+    return StatePath(layer, prefill=prefill, decode=decode, shard_state=_whole_state, unshard_state=_tp_rank_0_state,
+                     differentiable=False)
