@@ -1,7 +1,8 @@
 """transformers' Qwen3-Next, Qwen3.5 and Kimi Linear linear-attention layers with transformers'
-cache (DynamicCache), float64, unsharded: chunked prefill and decode steps, as a serving loop
-calls them, against one full forward of the same layer from the same random cache
-(`pytest_linattn.assert_continuation_parity`; `transformers_tp.state_path`).
+cache (DynamicCache), float64: chunked prefill and decode steps, as a serving loop calls them,
+against one full forward of the same layer from the same random cache
+(`pytest_linattn.assert_continuation_parity`; `transformers_tp.state_path`). Unsharded, and layer 0
+of a checkpoint loaded at TP 2 by transformers' own plan (every rank then holds the whole state).
 
 The cuts per sequence: a 1-token first chunk then 3 and 65 tokens; 4, 63 and 1; 38; 3 and random;
 then 2 decode steps each. transformers' torch path chunks by 64, the conv width is 4.
