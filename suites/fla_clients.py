@@ -12,11 +12,15 @@ importing fla costs seconds, so only the tests that use it pay).
 - `ContextParallelKDA` / `fla_kda_client(**options)`: fla's KimiDeltaAttention driven the way
   fla's context parallelism is called (`build_cp_context`, `cp_context=` on the conv and on
   chunk_kda), CP only.
+- `fla_state_path(kind, differentiable=...)`: fla's own layer with fla's Cache (conv caches and
+  recurrent state in, out), prefill chunks and decode steps as a serving loop calls them, for
+  `assert_continuation_parity`; `fla_cached_forward` is the replicated reference's full forward.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -156,3 +160,64 @@ def first_tp_rank(grads, placement):
 
 def fla_kda_client(**options):
     return ShardedLayer(functools.partial(build_kda, options=options), whole, first_tp_rank)
+
+
+# ---- fla's layers with fla's cache: the state path ----------------------------------------------
+
+
+class FlaLayerState(NamedTuple):
+    """What fla's GatedDeltaNet / KimiDeltaAttention keep in fla's Cache, one row per sequence:
+    the three conv caches `[N, D, W]` and the recurrent state `[N, HV, V, K]` (state_v_first)."""
+
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def fla_cached_forward(layer, x, cu_seqlens, state):
+    """fla's layer from `state` (None: an empty cache) with use_cache=True, as a serving loop calls
+    it: `(y, FlaLayerState)`. cu_seqlens None: x `[N, T, hidden]`, one sequence per row."""
+    from fla.models.utils import Cache
+
+    cache = Cache()
+    if state is not None:
+        cache.update(recurrent_state=state.recurrent, conv_state=tuple(state[:3]), layer_idx=layer.layer_idx, offset=0)
+    extra = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens.long()}
+    y, _, cache = layer(x, past_key_values=cache, use_cache=True, **extra)
+    kept = cache[layer.layer_idx]
+    return y, FlaLayerState(*kept["conv_state"], kept["recurrent_state"])
+
+
+def fla_prefill(module, x, cu_seqlens, state, placement):
+    return fla_cached_forward(module, x, cu_seqlens, state)
+
+
+def fla_decode(module, x, state, placement):
+    """One token of each of N sequences as fla's generation runs it: a batch `[N, 1, hidden]`."""
+    y, state = fla_cached_forward(module, x.transpose(0, 1), None, state)
+    return y.transpose(0, 1), state
+
+
+def build_fla_cached(kind, options, placement, groups, dtype, device):
+    layer = GatedDeltaNet(**GDN_SIZES, **options) if kind == "gdn" else KimiDeltaAttention(**SIZES, **options)
+    layer.layer_idx = 0
+    return layer.to(device, dtype).eval()
+
+
+def same_weights(full, placement, tp_rank):
+    return dict(full)
+
+
+def first_rank_grads(grads, placement):
+    return grads[0]
+
+
+def fla_state_path(kind, *, differentiable=True, **options):
+    """fla's own layer (replicated) with fla's cache, as the harness's StatePath. differentiable:
+    under grad fla's layers always run the chunk kernels; without (an inference loop, eval mode)
+    they run fused_recurrent for calls of at most 64 tokens and the conv's decode step."""
+    from pytest_linattn import StatePath
+
+    layer = ShardedLayer(functools.partial(build_fla_cached, kind, options), same_weights, first_rank_grads)
+    return StatePath(layer, prefill=fla_prefill, decode=fla_decode, differentiable=differentiable)

@@ -9,6 +9,8 @@ states the placement, token-layout and gradient rules). One idea each:
   unshard_state_dict; the "replicated" split of parameter_layouts is TP-replicated).
 - `make_case`: one placement (tp, cp, layout, sp, dtype) of one layer on one packed batch, as a
   harness ParityCase; run them with `pytest_linattn.harness.assert_parity_cases`.
+- `linattn_state_path`: the harness's StatePath for a config (the layer's own prefill and decode
+  calls, shard_layer_state / unshard_layer_state), for `assert_continuation_parity`.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ from linattn.layers import (
     LinearAttentionConfig,
     build_layer,
     parameter_layouts,
+    shard_layer_state,
     shard_state_dict,
+    unshard_layer_state,
     unshard_state_dict,
 )
 from pytest_linattn.parity import assert_parity
-from pytest_linattn.harness import ParityCase, Placement, ShardedLayer, rank_token_index
+from pytest_linattn.harness import ParityCase, Placement, ShardedLayer, StatePath, rank_token_index
 
 FAMILIES = ("qwen3_next", "qwen3_5", "kda")
 
@@ -124,6 +128,23 @@ def linattn_layer(config) -> ShardedLayer:
         replicated={n for n, layout in parameter_layouts(config).items() if layout.split == "replicated"},
         describe_grad_element=functools.partial(describe_grad_element, config),
     )
+
+
+def _shard_layer_state(config, state, placement, tp_rank):
+    return shard_layer_state(state, config, tp_rank, placement.tp)
+
+
+def _unshard_layer_state(config, states, placement):
+    return unshard_layer_state(states, config)
+
+
+def linattn_state_path(config, **fields) -> StatePath:
+    """The harness's StatePath of linattn's layer for `config`: forward(x, cu_seqlens, state,
+    output_final_state=True) and step(x, state) (the harness's defaults), its state sharded over
+    TP as its weights are. fields: StatePath fields to replace (a planted bug's)."""
+    return StatePath(layer=linattn_layer(config), **{
+        "shard_state": functools.partial(_shard_layer_state, config),
+        "unshard_state": functools.partial(_unshard_layer_state, config), **fields})
 
 
 def _head_blocks(config, name):

@@ -17,6 +17,7 @@ from linattn.checks import fail, require
 from ._norm import at_least_float32
 
 ROUTES = selection.GDN_ROUTES
+MODES = ("chunk", "recurrent")
 
 
 def gated_delta_rule(
@@ -36,6 +37,7 @@ def gated_delta_rule(
     A_log: torch.Tensor | None = None,
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
+    mode: str = "chunk",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """route None: for CUDA tensors `selection.gdn_route(needs_backward)`, else "gated_delta_rule".
 
@@ -43,9 +45,13 @@ def gated_delta_rule(
     `-exp(A_log) * softplus(g + dt_bias)` (A_log, dt_bias `[HV]`); use_beta_sigmoid_in_kernel:
     beta holds logits. Both as fla's chunk_gated_delta_rule; on CPU tensors computed in at least
     float32 before the reference, on the "kda" route before the gate is broadcast.
+
+    mode: "chunk" (the chunked form, every prefill) or "recurrent" (token by token, the decode
+    step's form; CPU tensors only for now).
     """
     if not (route is None or route in ROUTES):
         fail("route", f"must be None or one of {ROUTES}, got {route!r}")
+    _check_mode(mode, q)
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=False)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, None, per_channel_gate=False)
     if route is None:
@@ -60,10 +66,10 @@ def gated_delta_rule(
         g = log_decay(g, A_log, dt_bias)
     if route == "kda":
         q, k, g = gdn_as_kda_inputs(q, k, v, g)
-        return kda(q, k, v, g, beta, *args, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel)
+        return kda(q, k, v, g, beta, *args, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, mode=mode)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(at_least_float32(beta))
-    return _run_reference("gated_delta_rule", q, k, v, g, beta, *args)
+    return _run_reference("gated_delta_rule", q, k, v, g, beta, *args, mode)
 
 
 def kda(
@@ -84,14 +90,16 @@ def kda(
     dt_bias: torch.Tensor | None = None,
     lower_bound: float | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
+    mode: str = "chunk",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """g is a per-channel log decay, or with use_gate_in_kernel the raw gate input, from which the
     kernel computes `-exp(A_log) * softplus(g + dt_bias)` or, with lower_bound,
     `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` (A_log `[HV]`, dt_bias `[HV * K]`);
     use_beta_sigmoid_in_kernel: beta holds logits. Both as fla's chunk_kda; on CPU tensors computed
-    in at least float32 before the reference. route: None or "kda" only."""
+    in at least float32 before the reference. route: None or "kda" only. mode: as gated_delta_rule's."""
     if route not in (None, "kda"):
         fail("route", f"must be None or 'kda' for KDA, got {route!r}")
+    _check_mode(mode, q)
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=True)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_channel_gate=True)
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
@@ -102,7 +110,7 @@ def kda(
         g = log_decay(g, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(at_least_float32(beta))
-    return _run_reference("kda", q, k, v, g, beta, *args)
+    return _run_reference("kda", q, k, v, g, beta, *args, mode)
 
 
 def log_decay(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None = None,
@@ -189,7 +197,16 @@ def validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_
             fail("initial_state", f"must have shape {(N, HV, K, V)} (one state per sequence), got {tuple(initial_state.shape)}")
 
 
-def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm):
+def _check_mode(mode, q):
+    if mode not in MODES:
+        fail("mode", f"must be one of {MODES}, got {mode!r}")
+    if mode == "recurrent" and q.is_cuda:
+        raise NotImplementedError("mode='recurrent' runs on CPU tensors only (fla's fused_recurrent kernels are not "
+                                  "wired here); use mode='chunk' on CUDA")
+
+
+def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                   mode="chunk"):
     from linattn import reference
 
     # the reference computes in float32 or float64; half-precision inputs compute in float32
@@ -202,7 +219,7 @@ def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_stat
         cu_seqlens=cu_seqlens,
         use_qk_l2norm=use_qk_l2norm,
         compute_dtype=compute_dtype,
-        mode="chunk",
+        mode=mode,
     )
     return o.to(q.dtype), final_state
 

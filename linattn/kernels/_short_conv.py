@@ -23,10 +23,16 @@ def short_conv(
     bias: torch.Tensor | None = None,
     activation: str | None = "silu",
     backend: str | None = None,
-) -> torch.Tensor:
-    """x `[B, T, D]` (B = 1 with cu_seqlens), weight `[D, W]`, bias `[D]`; returns `[B, T, D]` in x's dtype.
+    *,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+):
+    """x `[B, T, D]` (B = 1 with cu_seqlens), weight `[D, W]`, bias `[D]`; returns `[B, T, D]` in x's dtype,
+    or with output_final_state `(y, final_state)`.
 
-    backend None: `selection.short_conv_backend()` for CUDA tensors, "torch" otherwise.
+    initial_state / final_state: the conv state `[N, D, W-1]`, each sequence's last W-1 inputs
+    (linattn.reference.short_conv's convention). backend None: `selection.short_conv_backend()`
+    for CUDA tensors, "torch" otherwise.
     """
     if not (backend is None or backend in BACKENDS):
         fail("backend", f"must be None or one of {BACKENDS}, got {backend!r}")
@@ -38,23 +44,27 @@ def short_conv(
         fail("weight", f"must be [D, W] with D={x.shape[2]}, got shape {tuple(weight.shape)}")
     if backend is None:
         backend = selection.short_conv_backend() if x.is_cuda else "torch"
+    state = dict(initial_state=initial_state, output_final_state=output_final_state)
     if backend == "torch":
-        return _short_conv_torch(x, weight, cu_seqlens, bias, activation)
+        return _short_conv_torch(x, weight, cu_seqlens, bias, activation, **state)
     if not x.is_cuda:
         fail("backend", f"{backend!r} runs fla's GPU kernels and needs CUDA tensors, got x on {x.device}")
-    return _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend)
+    return _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend, **state)
 
 
-def _short_conv_torch(x, weight, cu_seqlens, bias, activation):
+def _short_conv_torch(x, weight, cu_seqlens, bias, activation, initial_state, output_final_state):
     from linattn import reference
 
     # the reference computes in float32 or float64; half-precision inputs compute in float32
     compute_dtype = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
-    y = reference.short_conv(x, weight, cu_seqlens, bias, activation, compute_dtype=compute_dtype)
-    return y.to(x.dtype)
+    out = reference.short_conv(x, weight, cu_seqlens, bias, activation, compute_dtype=compute_dtype,
+                               initial_state=initial_state, output_final_state=output_final_state)
+    if output_final_state:
+        return out[0].to(x.dtype), out[1].to(x.dtype)
+    return out.to(x.dtype)
 
 
-def _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend):
+def _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend, initial_state, output_final_state):
     from fla.modules.causal_conv1d import causal_conv1d
 
     if not (cu_seqlens is None or x.shape[0] == 1):
@@ -67,8 +77,13 @@ def _short_conv_fla(x, weight, cu_seqlens, bias, activation, backend):
         cu_seqlens = cu_seqlens.to(device=x.device, dtype=torch.long)
         if backend in ("cuda", "mix"):
             extra["seq_idx"] = _int32_sequence_ids(cu_seqlens, x.shape[1])
-    y, _ = causal_conv1d(x, weight=weight, bias=bias, activation=activation, backend=backend, cu_seqlens=cu_seqlens,
-                         **extra)
+    if initial_state is not None:
+        # fla's cache is W wide, slot 0 the oldest and never read: a zero column in front
+        extra["initial_state"] = torch.nn.functional.pad(initial_state.to(x.dtype), (1, 0))
+    y, final_state = causal_conv1d(x, weight=weight, bias=bias, activation=activation, backend=backend,
+                                   cu_seqlens=cu_seqlens, output_final_state=output_final_state, **extra)
+    if output_final_state:
+        return y.to(x.dtype), final_state[..., 1:].to(x.dtype)
     return y.to(x.dtype)
 
 

@@ -8,6 +8,8 @@ attention, with HF parameter names, tensor, sequence and context parallelism.
                         sequence_parallel=True)
     layer.load_state_dict(shard_state_dict(full_state_dict, config, tp_rank, tp_size))
     y = layer(hidden_states, cu_seqlens)   # this rank's tokens; cu_seqlens global
+    y, state = layer(hidden_states, cu_seqlens, state, output_final_state=True)   # a continued prefill
+    y, state = layer.step(next_tokens, state)                                      # one decode step
 
 Under CP, parameter gradients are per-rank partial sums (see linattn.parallel.cp).
 
@@ -34,6 +36,7 @@ from .build import build_layer
 from .config import FAMILIES, LinearAttentionConfig
 from .gated_deltanet import GatedDeltaNet
 from .kimi_delta_attention import KimiDeltaAttention
+from .state import LayerState, shard_layer_state, unshard_layer_state
 from .state_dict import ParameterLayout, parameter_layouts, shard_state_dict, unshard_state_dict
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
     "GatedDeltaNet",
     "HeadShardedLinearAttention",
     "KimiDeltaAttention",
+    "LayerState",
     "LinearAttentionConfig",
     "ParameterLayout",
     "build_layer",
@@ -52,9 +56,11 @@ __all__ = [
     "parameter_layouts",
     "qwen3_5_to_qwen3_next",
     "qwen3_next_to_qwen3_5",
+    "shard_layer_state",
     "shard_state_dict",
     "to_fla_state_dict",
     "to_hf_state_dict",
     "to_megatron_state_dict",
+    "unshard_layer_state",
     "unshard_state_dict",
 ]

@@ -43,6 +43,7 @@ from linattn.parallel.mappings import (
 from linattn.checks import validate_cu_seqlens
 
 from .config import LinearAttentionConfig
+from .state import LayerState, check_layer_state
 from .state_dict import FLATTENABLE, parameter_layouts
 
 __all__ = ["HeadShardedLinearAttention"]
@@ -130,22 +131,52 @@ class HeadShardedLinearAttention(nn.Module):
 
     # ---- forward ----
 
-    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, state: LayerState | None = None, *,
+                output_final_state: bool = False):
         """hidden_states `[1, T_local, hidden]`: this CP rank's T / cp tokens in the CP layout,
         under SP split again into tp contiguous slices of T / (cp * tp) tokens (T_local = T without
         CP and SP); cu_seqlens: the GLOBAL packed-sequence boundaries `[N + 1]` (int32), the same on
-        every rank. Returns `[1, T_local, hidden]`, the same tokens."""
+        every rank. Returns `[1, T_local, hidden]`, the same tokens.
+
+        state: a LayerState (`linattn.layers.state`) of this TP rank's heads, one row per sequence
+        of the whole batch (the same on every CP rank): each sequence starts from its row instead
+        of zeros (a continued prefill; under CP on whichever rank the sequence starts).
+        output_final_state: return `(y, LayerState)`, every sequence's state after its tokens,
+        whole on every CP rank (its gradient must be whole on every CP rank too:
+        `linattn.parallel.cp.conv.sequences_ending_here`)."""
         cu_seqlens, cp_context = self._check_inputs(hidden_states, cu_seqlens)
+        carry = None
+        if state is not None or output_final_state:
+            num_sequences = cu_seqlens.numel() - 1
+            carry = _Carry(None if state is None else check_layer_state(state, self.local_config, num_sequences))
         x = self._enter_tensor_parallel_region(hidden_states)
         if cp_context is None:
-            y = self._mix_tokens(x, cu_seqlens, None)
+            y = self._mix_tokens(x, cu_seqlens, None, carry)
         else:
             # ops run on the contiguous piece; zigzag moves the tokens there once per layer (one
             # all-to-all of the hidden states each way) rather than once per op
             x = cp_context.relayout.to_contiguous(x)
-            y = self._mix_tokens(x, cp_context.local_cu_seqlens_on(x.device), cp_context)
+            y = self._mix_tokens(x, cp_context.local_cu_seqlens_on(x.device), cp_context, carry)
             y = cp_context.relayout.from_contiguous(y)
-        return self._exit_tensor_parallel_region(y)
+        y = self._exit_tensor_parallel_region(y)
+        return (y, carry.final()) if output_final_state else y
+
+    def step(self, hidden_states: torch.Tensor, state: LayerState | None) -> tuple[torch.Tensor, LayerState]:
+        """One decode step: hidden_states `[1, N, hidden]`, the next token of each of N sequences
+        (the whole decode batch on every rank: no CP, no SP split), state their LayerState (None:
+        zeros). The recurrence runs token by token (mode="recurrent", on CPU tensors; the chunked
+        kernel on CUDA). Returns (`[1, N, hidden]`, the state after the token)."""
+        if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3 and hidden_states.shape[0] == 1
+                and hidden_states.shape[2] == self.config.hidden_size):
+            raise ValueError(f"hidden_states must be one token per sequence, [1, N, {self.config.hidden_size}], "
+                             f"got {getattr(hidden_states, 'shape', hidden_states)!r}")
+        N = hidden_states.shape[1]
+        carry = _Carry(None if state is None else check_layer_state(state, self.local_config, N),
+                       mode="chunk" if hidden_states.is_cuda else "recurrent")
+        cu_seqlens = torch.arange(N + 1, device=hidden_states.device)
+        x = copy_to_tensor_parallel_region(hidden_states, self.tp_group)
+        y = self._mix_tokens(x, cu_seqlens, None, carry)
+        return reduce_from_tensor_parallel_region(y, self.tp_group), carry.final()
 
     def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor):
         """ValueError naming the rule a bad input breaks, before any collective. Returns
@@ -213,34 +244,56 @@ class HeadShardedLinearAttention(nn.Module):
         """A weight every TP rank holds whole: its gradient is summed over TP in backward."""
         return copy_to_tensor_parallel_region(weight, self.tp_group)
 
-    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context, carry=None) -> torch.Tensor:
         """Family-specific: `[1, T, hidden]` -> this rank's partial `[1, T, hidden]`, over the tokens
         this rank works on (all of them, or under CP the contiguous piece of `cp_context`);
-        cu_seqlens: those tokens' boundaries. Pass both on to `_short_conv` and `_delta_rule`."""
+        cu_seqlens: those tokens' boundaries. Pass them and `carry` (the state in and out, or
+        None) on to `_short_conv` and `_delta_rule`."""
         raise NotImplementedError
 
     # ---- the two kernel call sites (the only places tokens of other CP ranks matter) ----
 
-    def _short_conv(self, xs: list, weights: list, cu_seqlens: torch.Tensor, cp_context=None) -> list:
+    def _short_conv(self, xs: list, weights: list, cu_seqlens: torch.Tensor, cp_context=None, carry=None) -> list:
         """Causal depthwise conv + SiLU over packed channel blocks (q, k, v): xs `[1, T, D_i]`,
         weights `[D_i, W]`; returns the blocks' outputs. Without CP one call per block, so each
         output is contiguous (the kernels take it without a copy); under CP one call over the
         concatenated blocks, so one halo exchange serves them (each sequence's W-1 earlier tokens
-        come from the ranks that hold them)."""
+        come from the ranks that hold them). With a carry, one call over the concatenated blocks
+        from its conv state (the state's channels are those blocks'), keeping the final one."""
+        if carry is not None:
+            state = dict(initial_state=carry.initial_conv, output_final_state=True)
+            x, w = torch.cat(xs, dim=-1), torch.cat(weights, dim=0)
+            if cp_context is None:
+                y, carry.conv = kernels.short_conv(x, w, cu_seqlens=cu_seqlens, activation="silu", **state)
+            else:
+                y, carry.conv = cp.short_conv(x, w, activation="silu", cp_context=cp_context, **state)
+            return list(y.split([x.shape[-1] for x in xs], dim=-1))
         if cp_context is None:
             return [kernels.short_conv(x, w, cu_seqlens=cu_seqlens, activation="silu") for x, w in zip(xs, weights)]
         y = cp.short_conv(torch.cat(xs, dim=-1), torch.cat(weights, dim=0), activation="silu", cp_context=cp_context)
         return list(y.split([x.shape[-1] for x in xs], dim=-1))
 
-    def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, cp_context=None, **gate) -> torch.Tensor:
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens: torch.Tensor, cp_context=None, carry=None,
+                    **gate) -> torch.Tensor:
         """The recurrence on this rank's heads: q, k `[1, T, H, dk]`, v `[1, T, HV, dv]`, g `[1, T, HV]`
         (gdn) or `[1, T, HV, dk]` (kda), beta `[1, T, HV]`; returns o `[1, T, HV, dv]`.
         q and k are L2-normalised inside the kernel, scale = dk ** -0.5 (HF, fla). Under CP the
         state of a sequence crossing a rank boundary is carried over (forward and backward).
-        gate: the kernel entries' in-kernel gate and beta arguments (see `_fuses_gate`), without CP."""
+        gate: the kernel entries' in-kernel gate and beta arguments (see `_fuses_gate`), without CP.
+        carry: the state in and out (its recurrent state and kernel mode), or None."""
         scale = self.config.head_k_dim ** -0.5
         if gate and cp_context is not None:
             raise ValueError("the in-kernel gate runs without CP only: compute g and beta before the CP op")
+        if carry is not None:
+            state = dict(initial_state=carry.initial_recurrent, output_final_state=True)
+            if cp_context is not None:
+                o, carry.recurrent = cp.delta_rule(q, k, v, g, beta, op=self.config.op, scale=scale,
+                                                   use_qk_l2norm=True, cp_context=cp_context, **state)
+            else:
+                op = kernels.kda if self.config.op == "kda" else kernels.gated_delta_rule
+                o, carry.recurrent = op(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
+                                        mode=carry.mode, **state, **gate)
+            return o
         if cp_context is not None:
             return cp.delta_rule(q, k, v, g, beta, op=self.config.op, scale=scale, use_qk_l2norm=True,
                                  cp_context=cp_context)
@@ -252,6 +305,20 @@ class HeadShardedLinearAttention(nn.Module):
         use_gate_in_kernel / use_beta_sigmoid_in_kernel), as `linattn.selection` picks for CUDA;
         under CP the CP op takes g and beta computed before it."""
         return x.is_cuda and cp_context is None and selection.gate_norm_backend() == "fla"
+
+
+class _Carry:
+    """One call's state: the incoming LayerState (None: zeros), the recurrence's kernel mode, and
+    the final conv and recurrent states the two call sites leave here."""
+
+    def __init__(self, initial: LayerState | None, mode: str = "chunk"):
+        self.initial_conv = None if initial is None else initial.conv
+        self.initial_recurrent = None if initial is None else initial.recurrent
+        self.mode = mode
+        self.conv = self.recurrent = None
+
+    def final(self) -> LayerState:
+        return LayerState(self.conv, self.recurrent)
 
 
 def _check_group_grid(tp_group, cp_group) -> None:

@@ -71,23 +71,23 @@ class GatedDeltaNet(HeadShardedLinearAttention):
             self._rows = cached
         return cached
 
-    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context, carry=None) -> torch.Tensor:
         c = self.local_config
         T = x.shape[1]
         qkv, b, a = self._project_inputs(x)
         weights = self.conv1d.weight.squeeze(1).split([c.key_dim, c.key_dim, c.value_dim], dim=0)
-        q, k, v = self._short_conv(qkv, list(weights), cu_seqlens, cp_context)
+        q, k, v = self._short_conv(qkv, list(weights), cu_seqlens, cp_context, carry)
         del qkv  # the projections are the conv's inputs only: without grad, not held through the recurrence
         q = q.reshape(1, T, c.num_k_heads, c.head_k_dim)
         k = k.reshape(1, T, c.num_k_heads, c.head_k_dim)
         v = v.reshape(1, T, c.num_v_heads, c.head_v_dim)
         # beta and the decay in at least float32 (HF: "if the model is loaded in fp16, A might be -inf")
         if self._fuses_gate(x, cp_context):
-            o = self._delta_rule(q, k, v, a, b, cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
+            o = self._delta_rule(q, k, v, a, b, cu_seqlens, carry=carry, use_gate_in_kernel=True, A_log=self.A_log,
                                  dt_bias=self.dt_bias, use_beta_sigmoid_in_kernel=True)
         else:
             g = kernels.log_decay(a, self.A_log, self.dt_bias)
-            o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)
+            o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context, carry)
         o = kernels.gated_rms_norm(o, self._project_output_gate(x), self._replicated(self.norm.weight),
                                    self.config.norm_eps, "silu")
         return F.linear(o.reshape(1, T, c.value_dim), self.out_proj.weight)

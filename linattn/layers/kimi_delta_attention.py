@@ -32,14 +32,14 @@ __all__ = ["KimiDeltaAttention"]
 class KimiDeltaAttention(HeadShardedLinearAttention):
     """Family 'kda'."""
 
-    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context) -> torch.Tensor:
+    def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context, carry=None) -> torch.Tensor:
         c = self.local_config
         T = x.shape[1]
         HV, dk, dv = c.num_v_heads, c.head_k_dim, c.head_v_dim
         q, k, v = self._short_conv(
             [F.linear(x, self.q_proj.weight), F.linear(x, self.k_proj.weight), F.linear(x, self.v_proj.weight)],
             [self.q_conv1d.weight.squeeze(1), self.k_conv1d.weight.squeeze(1), self.v_conv1d.weight.squeeze(1)],
-            cu_seqlens, cp_context)
+            cu_seqlens, cp_context, carry)
         q = q.reshape(1, T, c.num_k_heads, dk)
         k = k.reshape(1, T, c.num_k_heads, dk)
         v = v.reshape(1, T, HV, dv)
@@ -60,12 +60,12 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
             # the layer dtype once, after the cancellation, like fla's layer takes its bf16 f
             f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj, bias=self.dt_bias.reshape(-1),
                                        round_to=x.dtype).view(1, T, HV, dk)
-            o = self._delta_rule(q, k, v, f, b, cu_seqlens, use_gate_in_kernel=True, A_log=self.A_log,
+            o = self._delta_rule(q, k, v, f, b, cu_seqlens, carry=carry, use_gate_in_kernel=True, A_log=self.A_log,
                                  lower_bound=self.config.gate_lower_bound, use_beta_sigmoid_in_kernel=True)
         else:
             f = kernels.float32_linear(f_low_rank, self.f_b_proj.weight, proj).view(1, T, HV, dk)
             g = kernels.log_decay(f, self.A_log, self.dt_bias, self.config.gate_lower_bound)
-            o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context)
+            o = self._delta_rule(q, k, v, g, torch.sigmoid(at_least_float32(b)), cu_seqlens, cp_context, carry)
 
         if self.config.output_gate_rank is None:
             gate = F.linear(x, self.g_proj.weight)

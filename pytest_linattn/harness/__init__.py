@@ -10,12 +10,17 @@ pytest:
     sharded_parity_rank  ... and what each rank runs
     training_step        training steps: the test process's side
     training_step_rank   ... and what each rank runs
+    continuation         chunked prefill and decode against one full forward (`StatePath`,
+                         `assert_continuation_parity`): the test process's side
+    continuation_rank    ... and what each rank runs
 """
 
-from .cases import ParityCase, ShardedLayer, TrainingStep
+from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
+from .continuation import SequencePlan, assert_continuation_parity, plan_cuts
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
 from .training_step import assert_training_parity
 
-__all__ = ["LAYOUTS", "ParityCase", "Placement", "ShardedLayer", "TrainingStep", "assert_parity_cases",
-           "assert_sharded_parity", "assert_training_parity", "default_process_groups", "rank_token_index"]
+__all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StatePath", "TrainingStep",
+           "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity", "assert_training_parity",
+           "default_process_groups", "plan_cuts", "rank_token_index"]

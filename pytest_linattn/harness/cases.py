@@ -1,5 +1,6 @@
 """What a client gives the harness: its sharded layer (`ShardedLayer`), the cases to check
-(`ParityCase`) and the trainer around the layer (`TrainingStep`). All are checked when made, so bad input fails before any rank runs. This module
+(`ParityCase`), the trainer around the layer (`TrainingStep`) and how the layer carries state
+from call to call (`StatePath`). All are checked when made, so bad input fails before any rank runs. This module
 imports no pytest."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from linattn.checks import positive_int
 from ..parity import check_rtol
 from .placement import Placement, as_cu_seqlens, check_fits, default_process_groups
 
-__all__ = ["ParityCase", "ShardedLayer", "TrainingStep", "default_optimizer"]
+__all__ = ["ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,3 +189,57 @@ class TrainingStep:
             pickle.dumps(self)
         except Exception as exc:  # noqa: BLE001 - reported as bad input
             raise ValueError(f"TrainingStep's callables must be module-level (spawn pickles them by reference): {exc}") from None
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePath:
+    """How a client's layer carries state from one call to the next, for `assert_continuation_parity`.
+    Callables module-level (pickled by reference to the ranks); None means the default, which is
+    linattn's layer convention.
+
+    A state is a tuple (a NamedTuple, say) of tensors, each with one row per sequence on dim 0
+    (conv state, recurrent state, ...); the state the client's calls take and return, in the
+    client's layout. Every call gets the rows of the sequences it runs, in their order.
+
+    layer: the ShardedLayer (build, shard, process_groups; its unshard is not used here).
+    prefill(module, x_local, cu_seqlens, state, placement) -> (y_local, state)
+        One chunk of every sequence of a packed call from `state`: x_local the rank's tokens
+        `[1, T_local, hidden]` (under CP its contiguous piece of the call), cu_seqlens the call's
+        whole boundaries; returns the rank's outputs and every sequence's state after its chunk
+        (whole on every CP rank). Default `module(x_local, cu_seqlens, state, output_final_state=True)`.
+    decode(module, x, state, placement) -> (y, state)
+        One decode step: x `[1, N, hidden]`, the next token of each of N sequences, on every rank
+        (no CP split). Default `module.step(x, state)`.
+    shard_state(state, placement, tp_rank) -> state
+        The TP rank's part of the replicated layer's state (the heads it holds). Needed for tp > 1.
+    unshard_state(states, placement) -> state
+        The replicated layer's state from the TP ranks' states, in TP rank order (also used for
+        state gradients, which have the state's layout). Needed for tp > 1.
+    differentiable: the calls are differentiable: gradients through the initial and final states
+        (dh0, dht) and the inputs are checked too.
+    no_decode: the layer has no decode path; the check runs chunks only.
+    """
+
+    layer: ShardedLayer
+    prefill: Callable | None = None
+    decode: Callable | None = None
+    shard_state: Callable | None = None
+    unshard_state: Callable | None = None
+    differentiable: bool = True
+    no_decode: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.layer, ShardedLayer):
+            raise ValueError(f"StatePath.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        for field in ("prefill", "decode", "shard_state", "unshard_state"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
+                raise ValueError(f"StatePath.{field} must be callable or None, got {getattr(self, field)!r}")
+        for field in ("differentiable", "no_decode"):
+            if not isinstance(getattr(self, field), bool):
+                raise ValueError(f"StatePath.{field} must be a bool, got {getattr(self, field)!r}")
+        if (self.shard_state is None) != (self.unshard_state is None):
+            raise ValueError("StatePath.shard_state and unshard_state are given together (or neither: tp = 1 only)")
+        try:
+            pickle.dumps(self)
+        except Exception as exc:  # noqa: BLE001 - reported as bad input
+            raise ValueError(f"StatePath's callables must be module-level (spawn pickles them by reference): {exc}") from None

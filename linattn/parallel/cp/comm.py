@@ -4,6 +4,7 @@
     all_gather_from_cp_ranks          fwd all-gather into [cp, ...]     bwd reduce-scatter (sum)
     receive_state_from_previous_rank  fwd recv the incoming state       bwd send its gradient back
     send_state_to_next_rank           fwd send the final state          bwd recv its gradient
+    sum_over_cp_ranks                 fwd all-reduce (sum)              bwd identity
 
 The CP ops call these, never raw collectives. ``group`` is a real process group here: the ops
 never communicate without one.
@@ -23,6 +24,7 @@ __all__ = [
     "receive_state_from_previous_rank",
     "relayout_tokens",
     "send_state_to_next_rank",
+    "sum_over_cp_ranks",
 ]
 
 # torch >= 2.13 renames the flat collectives; older builds (GPU images) have only the old names
@@ -145,3 +147,22 @@ def send_state_to_next_rank(state: torch.Tensor, out: torch.Tensor, anchor, grou
 
     Riding on the op's output puts the receive before this rank's local backward, which needs it."""
     return _SendStateToNextRank.apply(state, out, anchor, group, dst)
+
+
+class _SumOverCPRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous().clone()  # never reduce in place into a tensor autograd may still need
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def sum_over_cp_ranks(x: torch.Tensor, group) -> torch.Tensor:
+    """The sum of every rank's ``x``, on every rank; backward passes each rank's gradient to its own
+    ``x`` (as a layer's output all-reduce over TP), so the gradient given on each rank must be the
+    whole one. No collective in backward: nothing to order against the other ops' backward."""
+    return _SumOverCPRanks.apply(x, group)

@@ -113,6 +113,24 @@ class CPContext:
         nxt = self.cp_rank + 1
         return nxt < self.cp_size and self.first_seq_offset[nxt] > 0
 
+    @property
+    def first_sequence(self) -> int:
+        """Global index of the piece's first sequence (packings without empty sequences: see
+        ``check_state_packing``); the piece holds sequences ``first_sequence`` on, one per entry
+        of ``local_cu_seqlens`` but the last."""
+        return int(torch.searchsorted(self.cu_seqlens[1:], torch.tensor(self.start), right=True))
+
+    @property
+    def ending_sequences(self) -> int:
+        """How many of the piece's sequences end in it (all but a last one that goes on)."""
+        return self.local_cu_seqlens.numel() - 1 - int(self.last_seq_continues)
+
+    def check_state_packing(self) -> None:
+        """ValueError unless every sequence holds a token: per-sequence states are matched to the
+        piece's sequences by index, which an empty sequence (dropped from the piece) would shift."""
+        require(bool((self.cu_seqlens.diff() > 0).all()), "cu_seqlens",
+                f"must hold no empty sequence when states are passed under CP, got {self.cu_seqlens.tolist()}")
+
     def local_cu_seqlens_on(self, device, dtype=torch.int32) -> torch.Tensor:
         key = (str(device), dtype)
         if key not in self._on_device:

@@ -1,0 +1,73 @@
+"""A layer's carried state (conv and recurrent), per sequence, and how TP splits it.
+
+    conv       `[N, q H*dk | k H*dk | v HV*dv, W-1]`: each sequence's last W-1 inputs of the
+               short convolution, per channel, oldest first; channels in the conv weight's
+               block-major order (GDN's conv1d; KDA's q_conv1d, k_conv1d, v_conv1d concatenated)
+    recurrent  `[N, HV, dk, dv]`: each sequence's delta-rule state (fla's layout), float64 for a
+               float64 layer, float32 otherwise (fla's state dtype)
+
+TP gives rank i the state of its heads, as it gives it their weights (`state_dict`): the i-th
+rows of each conv block, the i-th contiguous group of value heads of the recurrent state.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .config import LinearAttentionConfig
+
+__all__ = ["LayerState", "check_layer_state", "shard_layer_state", "unshard_layer_state"]
+
+
+class LayerState(NamedTuple):
+    """The state a layer carries from one call to the next, one row per sequence."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def _blocks(config: LinearAttentionConfig) -> tuple[int, int, int]:
+    return (config.key_dim, config.key_dim, config.value_dim)
+
+
+def check_layer_state(state, config: LinearAttentionConfig, num_sequences: int, name: str = "state") -> LayerState:
+    """`state` as a LayerState of `config`'s (a TP rank's local config) shapes for `num_sequences`,
+    else ValueError naming the field and the shape it must have."""
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise ValueError(f"{name} must be a LayerState(conv, recurrent), got {type(state).__name__}")
+    conv, recurrent = state
+    c, N = config, num_sequences
+    shapes = {"conv": (N, c.conv_dim, c.conv_size - 1), "recurrent": (N, c.num_v_heads, c.head_k_dim, c.head_v_dim)}
+    for field, value in zip(("conv", "recurrent"), (conv, recurrent)):
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and tuple(value.shape) == shapes[field]):
+            raise ValueError(f"{name}.{field} must be a floating-point tensor of shape {shapes[field]} (one row per "
+                             f"sequence), got {getattr(value, 'shape', type(value).__name__)}")
+    return LayerState(conv, recurrent)
+
+
+def shard_layer_state(state, config: LinearAttentionConfig, tp_rank: int, tp_size: int) -> LayerState:
+    """The TP rank's part of the replicated layer's state (`config` the replicated layer's)."""
+    config.check_tensor_parallel_size(tp_size)
+    if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
+        raise ValueError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
+    conv, recurrent = check_layer_state(state, config, _num_sequences(state))
+    conv = torch.cat([b.chunk(tp_size, dim=1)[tp_rank] for b in conv.split(_blocks(config), dim=1)], dim=1)
+    return LayerState(conv.contiguous(), recurrent.chunk(tp_size, dim=1)[tp_rank].contiguous())
+
+
+def unshard_layer_state(states, config: LinearAttentionConfig) -> LayerState:
+    """Inverse of shard_layer_state: the replicated layer's state from the TP ranks', in rank order."""
+    if isinstance(states, LayerState) or not len(states):
+        raise ValueError("states must be a non-empty sequence of per-rank LayerStates in TP rank order")
+    local = config.local(len(states))
+    states = [check_layer_state(s, local, _num_sequences(s), f"states[{i}]") for i, s in enumerate(states)]
+    per_block = zip(*(s.conv.split(_blocks(local), dim=1) for s in states))
+    conv = torch.cat([torch.cat(blocks, dim=1) for blocks in per_block], dim=1)
+    return LayerState(conv, torch.cat([s.recurrent for s in states], dim=1))
+
+
+def _num_sequences(state) -> int:
+    recurrent = state[1] if isinstance(state, tuple) and len(state) == 2 else None
+    return recurrent.shape[0] if isinstance(recurrent, torch.Tensor) and recurrent.dim() else -1
