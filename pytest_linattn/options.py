@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULTS", "DEFAULT_TIMEOUT", "DEVICES", "OPTIONS", "Option", "parse_autotune", "parse_device",
+__all__ = ["DEFAULTS", "DEFAULT_TIMEOUT", "DEVICES", "OPTIONS", "Option", "parse_autotune", "parse_count", "parse_device",
            "parse_directory", "parse_sizes", "parse_switch", "parse_timeout", "read_value", "unparsed_value"]
 
 DEVICES = ("cpu", "cuda", "auto")
@@ -91,6 +91,17 @@ def parse_autotune(value, name: str = "autotune") -> str:
         return value.strip().lower()
     raise ValueError(f"{name}: expected one of {', '.join(AUTOTUNE_MODES)} "
                      f"({'; '.join(f'{k}: {v}' for k, v in AUTOTUNE_MODES.items())}), got {value!r}")
+
+
+def parse_count(value, name: str = "count") -> int:
+    """A positive whole number ('8' or 8)."""
+    try:
+        count = int(value) if not isinstance(value, bool) else None
+    except (TypeError, ValueError):
+        count = None
+    if count is None or count < 1 or (isinstance(value, float) and value != count):
+        raise ValueError(f"{name}: expected a positive whole number, got {value!r}")
+    return count
 
 
 def parse_directory(value, name: str = "directory") -> str | None:
@@ -175,6 +186,13 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
                 "config only) or search (Triton's autotune)"),
     Option("report", "--linattn-report", "linattn_report", "linattn_report", None, parse_directory,
            metavar="DIR", help="write the parity report (JSON and error heatmaps) to this directory"),
+    # collective mutation testing: pytest_linattn.mutation, docs/mutation.md
+    Option("mutate_collectives", "--linattn-mutate-collectives", "linattn_mutate_collectives",
+           "linattn_mutate_collectives", "off", parse_switch, metavar="on|off", bare_value="on",
+           help="after each passing test that runs ranks, rerun it once per collective mutant (a collective "
+                "skipped, doubled, reordered...) and report the mutants it did not notice; they fail the session"),
+    Option("mutants_per_test", "--linattn-mutants-per-test", "linattn_mutants_per_test", "linattn_mutants_per_test",
+           "32", parse_count, metavar="N", help="the most collective mutants run per test, spread over its call sites"),
 )}
 # Used when neither the command line, a conftest nor an ini key gives a value.
 DEFAULTS = {key: o.default for key, o in OPTIONS.items() if o.default is not None}

@@ -30,6 +30,9 @@ _C = torch._C._distributed_c10d
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
 _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
+# Decorators torch wraps its entry points in (typing_extensions.deprecated): not a call site.
+_WRAPPER_FILES = tuple(os.path.splitext(m.__file__)[0] for m in (
+    sys.modules.get("typing_extensions"),) if m is not None and getattr(m, "__file__", None))
 _LAST_CALLS: list[dict] | None = None  # the calls of the last intercepted call of fn on this rank
 
 
@@ -63,21 +66,26 @@ def _shown_path(path: str) -> str:
 
 
 def _outside(path: str) -> bool:
-    return not (path.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB_DIR)) or path.startswith("<"))
+    return not (path.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB_DIR) + _WRAPPER_FILES) or path.startswith("<"))
 
 
 def call_site(frame) -> tuple[str, str, str]:
     """(site ``path:line``, its function, the caller ``path:line function``): the first frame
-    outside torch (and the standard library, and this package), and the next one outside them
-    in another file (a helper's caller; '' when there is none)."""
+    outside torch (and the standard library, and this package), and the next one outside them in
+    another file or past torch's frames (a helper's caller, or the line that ran backward; ''
+    when there is none)."""
     while frame is not None and not _outside(frame.f_code.co_filename):
         frame = frame.f_back
     if frame is None:
         return "?", "?", ""
     path = frame.f_code.co_filename
     site, function = f"{_shown_path(path)}:{frame.f_lineno}", frame.f_code.co_qualname
-    caller = frame.f_back
-    while caller is not None and (not _outside(caller.f_code.co_filename) or caller.f_code.co_filename == path):
+    caller, crossed = frame.f_back, False  # crossed: torch's frames lie between (autograd's apply, the engine)
+    while caller is not None:
+        name = caller.f_code.co_filename
+        if _outside(name) and (name != path or crossed):
+            break
+        crossed = crossed or name.startswith(_TORCH_DIR)
         caller = caller.f_back
     where = "" if caller is None else (f"{_shown_path(caller.f_code.co_filename)}:{caller.f_lineno} "
                                        f"{caller.f_code.co_qualname}")

@@ -10,7 +10,8 @@ import contextlib
 import pytest
 
 from .. import options
-from . import plan, report
+from . import plan
+from . import report as mutants_report
 
 __all__ = ["MutationRecorder", "MARKER"]
 
@@ -35,7 +36,7 @@ class MutationRecorder:
         rules = []
         for marker in item.iter_markers("equivalent_mutant"):
             try:
-                rules.append(report.equivalence_rule(marker.args, marker.kwargs))
+                rules.append(mutants_report.equivalence_rule(marker.args, marker.kwargs))
             except ValueError as exc:
                 raise pytest.UsageError(f"{item.nodeid}: {exc}") from None
         return rules
@@ -50,7 +51,7 @@ class MutationRecorder:
         mutants = plan.make_mutants(clean.calls)
         chosen = plan.select(mutants, self._limit())
         for m in chosen:
-            m["equivalent"] = report.equivalent_reason(m, rules)
+            m["equivalent"] = mutants_report.equivalent_reason(m, rules)
         calls = sum(len(per_rank) for ranks in clean.calls.values() for per_rank in ranks.values())
         with self._progress_line(item) as progress:
             results = plan.run_mutants(item.runtest, chosen, progress=progress)
@@ -93,8 +94,8 @@ class MutationRecorder:
             rep.linattn_mutants = to_plain_data(self.pending.pop(item.nodeid))
         return rep
 
-    def pytest_runtest_logreport(self, rep):
-        entry = getattr(rep, "linattn_mutants", None)
+    def pytest_runtest_logreport(self, report):
+        entry = getattr(report, "linattn_mutants", None)
         if entry and not self.is_worker:
             self.tests.append(entry)
 
@@ -104,11 +105,11 @@ class MutationRecorder:
         directory = options.read_value(self.config, "report")
         if directory:
             try:
-                path = report.write_json(self.tests, directory)
+                path = mutants_report.write_json(self.tests, directory)
                 self.notes.append(f"linattn collective mutants: {path}")
             except OSError as exc:
-                self.notes.append(f"linattn collective mutants: {report.JSON_NAME} not written: {exc!r}")
-        if report.survivors([r for t in self.tests for r in t["results"]]) and session.exitstatus == 0:
+                self.notes.append(f"linattn collective mutants: {mutants_report.JSON_NAME} not written: {exc!r}")
+        if mutants_report.survivors([r for t in self.tests for r in t["results"]]) and session.exitstatus == 0:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_terminal_summary(self, terminalreporter):
@@ -118,6 +119,6 @@ class MutationRecorder:
         if not self.tests:
             terminalreporter.write_line("no test that passed ran collectives on ranks: nothing mutated")
         else:
-            terminalreporter.write_line(report.format_summary(self.tests))
+            terminalreporter.write_line(mutants_report.format_summary(self.tests))
         for note in self.notes:
             terminalreporter.write_line(note)
