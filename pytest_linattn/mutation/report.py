@@ -73,7 +73,7 @@ def test_line(test: str, summary: dict, results: list[dict]) -> str:
     bound = "" if summary["mutants_run"] == summary["mutants_total"] else f" of {summary['mutants_total']}"
     return (f"{test}: {killed}/{counted} killed ({counts['killed']} failed, {counts['timeout']} timeout, "
             f"{counts['error']} error), {counts['survived']} survived, {equivalent} equivalent; "
-            f"{summary['mutants_run']}{bound} mutants of {summary['calls']} collective calls")
+            f"{summary['mutants_run']}{bound} mutants of {summary['calls']} collective calls on the ranks")
 
 
 def format_summary(tests: list[dict]) -> str:

@@ -183,3 +183,79 @@ def test_equivalence_rules_need_a_reason_and_a_known_mutation():
     mutant = _rec("pkg/norm.py:12", "c10d.allreduce_", 0, []) | {"mutation": "all_reduce.twice"}
     assert report.equivalent_reason(mutant, [rule]) == "a replicated value"
     assert report.equivalent_reason(mutant | {"mutation": "all_gather.reversed"}, [rule]) is None
+
+
+PLANTED = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+from pytest_linattn import assert_parity
+
+
+def layer_on_rank():
+    """TP 2: y = (x @ w) * g with w's columns split over the ranks and g (one scale per column of
+    a head, like a norm's weight) replicated: g's gradient is partial on each rank until summed."""
+    r = dist.get_rank()
+    gen = torch.Generator().manual_seed(0)
+    x, w, g = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((3, 4), (4, 4), (2,)))
+    w_local = w[:, 2 * r:2 * r + 2].clone().requires_grad_()
+    g_local = g.clone().requires_grad_()
+    y_local = (x @ w_local) * g_local
+    y_local.sum().backward()
+    dist.all_reduce(g_local.grad)  # the replicated weight's gradient reduction
+    return y_local.detach(), w_local.grad, g_local.grad
+
+
+def reference():
+    gen = torch.Generator().manual_seed(0)
+    x, w, g = (torch.randn(*s, generator=gen, dtype=torch.float64) for s in ((3, 4), (4, 4), (2,)))
+    w.requires_grad_(), g.requires_grad_()
+    y = (x @ w) * g.repeat(2)
+    y.sum().backward()
+    return y.detach(), w.grad, g.grad
+
+
+@pytest.mark.equivalent_mutant("layer_on_rank", "all_reduce.average", reason="planted: the marker's own check")
+def test_output_only(spawn):
+    ranks = spawn(layer_on_rank, 2)
+    assert_parity(torch.cat([y for y, _, _ in ranks], dim=1), reference()[0], rtol=1e-12, name="y")
+
+
+def test_every_gradient(spawn):
+    ranks = spawn(layer_on_rank, 2)
+    y, dw, dg = reference()
+    assert_parity(torch.cat([y for y, _, _ in ranks], dim=1), y, rtol=1e-12, name="y")
+    assert_parity(torch.cat([w for _, w, _ in ranks], dim=1), dw, rtol=1e-12, name="dw")
+    for rank, (_, _, g) in enumerate(ranks):
+        assert_parity(g, dg, rtol=1e-12, name=f"dg on rank {rank}")
+'''
+
+
+def test_planted_output_only_test_lets_the_gradient_reduction_mutant_survive(pytester):
+    pytester.makepyfile(test_planted=PLANTED)
+    result = runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cpu", "-p", "no:xdist",
+                              "--linattn-mutate-collectives", "--linattn-report", "report")
+    text = result.stdout.str()
+    assert result.ret == 1, text  # both tests passed, a mutant survived: the session fails
+    result.assert_outcomes(passed=2)
+    rows = json.loads((pytester.path / "report" / report.JSON_NAME).read_text())
+    written = (pytester.path / "test_planted.py").read_text().splitlines()
+    site = f"test_planted.py:{1 + next(i for i, line in enumerate(written) if 'dist.all_reduce(g_local.grad)' in line)}"
+    by_test = {}
+    for row in rows:
+        assert {"test", "site", "function", "op", "mutation", "phase", "outcome"} <= set(row)
+        by_test.setdefault(row["test"].split("::")[-1], []).append(row)
+    output_only = {r["mutation"]: r for r in by_test["test_output_only"]}
+    assert set(output_only) == {"all_reduce.skip", "all_reduce.twice", "all_reduce.average"}
+    for r in output_only.values():
+        assert (r["site"], r["function"], r["op"], r["phase"]) == (site, "layer_on_rank", "c10d.allreduce_", "forward")
+    assert output_only["all_reduce.skip"]["outcome"] == "survived" and not output_only["all_reduce.skip"]["equivalent"]
+    assert output_only["all_reduce.average"]["equivalent"] == "planted: the marker's own check"
+    assert {r["outcome"] for r in by_test["test_every_gradient"]} == {"killed"}
+    assert len(by_test["test_every_gradient"]) == 3
+    # the terminal: the survivor with its site, the score per test, the declared one apart
+    assert f"SURVIVED test_planted.py::test_output_only: {site} (layer_on_rank) c10d.allreduce_ all_reduce.skip" in text
+    assert "test_planted.py::test_output_only: 0/2 killed" in text and "1 equivalent" in text
+    assert "test_planted.py::test_every_gradient: 3/3 killed" in text
+    assert "missing reduction" in text
