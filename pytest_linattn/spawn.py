@@ -27,7 +27,7 @@ class Spawn:
             return dispatch.run_on_ranks(fn, world_size, args, kwargs, device=self._device, timeout=self.timeout,
                                          pools=self._pools, launcher=self._launcher,
                                          fla_on_cpu=_active_fla_emulation(), test=getattr(self._item, "nodeid", ""),
-                                         collectives=_active_collective_plan())
+                                         collectives=_active_collective_plan(fn))
         except pool.NotEnoughGpus as exc:
             pytest.skip(f"spawn(world_size={world_size}): {exc}")
         except pool.RankFailure as exc:
@@ -101,10 +101,10 @@ class LauncherStops:
                       with_item=True)
 
 
-def _active_collective_plan():
+def _active_collective_plan(fn):
     # --linattn-mutate-collectives: what this call's ranks record or mutate (pytest_linattn.mutation.plan)
     plan = sys.modules.get("pytest_linattn.mutation.plan")
-    return None if plan is None else plan.active_message()
+    return None if plan is None else plan.active_message(fn)
 
 
 def _active_fla_emulation():

@@ -22,32 +22,40 @@ __all__ = ["OUTCOMES", "Recording", "active_message", "calls_returned", "classif
 # killed: the test failed on an assertion (in the test process or on a rank). timeout: its ranks
 # hung (counted as killed, shown apart). error: it failed otherwise (a rank raised a non-assertion
 # exception or died, the call could not run): counted as killed, shown apart, as the test never
-# reached its check. survived: the test passed.
+# reached its check; also a rerun that never made the mutant's call. survived: the test passed.
 OUTCOMES = ("killed", "timeout", "error", "survived")
 
 _ACTIVE = None  # the Recording of the run going on, or None
 
 
 class Recording:
-    """One run of a test: the spawn calls it made, the calls their ranks saw, the mutant applied."""
+    """One run of a test: the spawn calls it made, the calls their ranks saw, the mutant applied.
+
+    A spawn call is named by its function and how many calls of that function came before in
+    the run (``module.function#1``), not by its place among all spawn calls: a test may cache
+    one call's result (module state, a session fixture), so a rerun makes fewer calls."""
 
     def __init__(self, target: dict | None = None):
         self.target = target  # a mutant (make_mutants), applied in its spawn call
-        self.spawn_calls = 0
-        self.calls: dict[int, dict[int, list]] = {}  # spawn call -> rank -> the rank's calls
+        self.seen: dict[str, int] = {}  # function -> its calls so far
+        self.current = None
+        self.calls: dict[str, dict[int, list]] = {}  # spawn call -> rank -> the rank's calls
+        self.applied = False  # a rank applied the target
 
-    def next_message(self) -> dict | None:
-        """What the next spawn call tells its ranks (None: no interception)."""
-        index = self.spawn_calls
-        self.spawn_calls += 1
+    def next_message(self, fn) -> dict | None:
+        """What the next spawn call, of fn, tells its ranks (None: no interception)."""
+        name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+        self.seen[name] = self.seen.get(name, 0) + 1
+        self.current = f"{name}#{self.seen[name]}"
         if self.target is None:
             return {"target": None}
-        if self.target["call"] != index:
+        if self.target["call"] != self.current:
             return None
         return {"target": {k: self.target[k] for k in ("site", "op", "occurrence", "mutation")}}
 
     def add(self, rank_calls: dict[int, list]) -> None:
-        self.calls.setdefault(self.spawn_calls - 1, {}).update(rank_calls)
+        self.calls.setdefault(self.current, {}).update(rank_calls)
+        self.applied = self.applied or any(rec.get("mutated") for calls in rank_calls.values() for rec in calls)
 
 
 class recording:
@@ -67,9 +75,9 @@ class recording:
         _ACTIVE = self.outer
 
 
-def active_message() -> dict | None:
-    """For spawn: the message its ranks get for the call being made now (None: no run active)."""
-    return None if _ACTIVE is None else _ACTIVE.next_message()
+def active_message(fn) -> dict | None:
+    """For spawn: the message its ranks get for the call of fn being made now (None: no run active)."""
+    return None if _ACTIVE is None else _ACTIVE.next_message(fn)
 
 
 def calls_returned(rank_calls: dict[int, list]) -> None:
@@ -83,7 +91,7 @@ def make_mutants(calls: dict[int, dict[int, list]]) -> list[dict]:
     on every rank that made that call; ordered by site (first seen), then mutation, occurrence."""
     found: dict[tuple, dict] = {}
     made_by: dict[tuple, set] = {}
-    for c in sorted(calls):
+    for c in calls:
         for rank in sorted(calls[c]):
             for rec in calls[c][rank]:
                 call_key = (c, rec["site"], rec["op"], rec["occurrence"])
@@ -99,7 +107,9 @@ def make_mutants(calls: dict[int, dict[int, list]]) -> list[dict]:
         site_order.setdefault((key[1], key[2]), len(site_order))
     names = list(MUTATIONS)
     mutants = [m for key, m in found.items() if set(m["ranks"]) == made_by[key[:4]]]
-    mutants.sort(key=lambda m: (site_order[(m["site"], m["op"])], names.index(m["mutation"]), m["occurrence"], m["call"]))
+    call_order = {c: i for i, c in enumerate(calls)}
+    mutants.sort(key=lambda m: (site_order[(m["site"], m["op"])], names.index(m["mutation"]), m["occurrence"],
+                                call_order[m["call"]]))
     return mutants
 
 
@@ -148,7 +158,7 @@ def run_mutants(run_test: Callable[[], None], mutants: list[dict], *,
     for i, mutant in enumerate(mutants):
         start = time.monotonic()
         error = None
-        with recording(mutant):
+        with recording(mutant) as run:
             try:
                 run_test()
             except (KeyboardInterrupt, SystemExit):
@@ -161,6 +171,9 @@ def run_mutants(run_test: Callable[[], None], mutants: list[dict], *,
         if parity is not None:
             del parity.RECORDS[keep:]
         outcome, detail = classify(error)
+        if not run.applied:  # the rerun never made the mutant's call: nothing was tested
+            outcome, detail = "error", ("the mutant's call was not reached in the rerun (" +
+                                        (f"the test failed before it: {detail}" if error else "the test passed") + ")")
         done = {**mutant, "bug_class": MUTATIONS[mutant["mutation"]].bug_class, "outcome": outcome,
                 "detail": detail, "seconds": round(time.monotonic() - start, 3)}
         results.append(done)

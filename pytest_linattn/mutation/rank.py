@@ -369,6 +369,7 @@ class CollectiveInterceptor(TorchDispatchMode):
                 return self.lazy(func(*args, **kwargs), lambda: store.extend(x.clone() for x in tensors))
         if mutation is None:
             return func(*args, **kwargs)
+        self.calls[-1]["mutated"] = True
         return APPLY[mutation](self, call)
 
     def _applicable(self, call, kind, key, occurrence) -> list[str]:

@@ -61,8 +61,8 @@ def survivors(results: list[dict]) -> list[dict]:
 
 def describe(r: dict) -> str:
     """One mutant in words: site, function, op, mutation, which call, phase."""
-    return (f"{r['site']} ({r['function']}) {r['op']} {r['mutation']} [{r['phase']}, spawn call "
-            f"{r['call'] + 1}, call {r['occurrence'] + 1} there]")
+    return (f"{r['site']} ({r['function']}) {r['op']} {r['mutation']} [{r['phase']}, in spawn call "
+            f"{r['call'].rsplit('.', 1)[-1]}, call {r['occurrence'] + 1} there]")
 
 
 def test_line(test: str, summary: dict, results: list[dict]) -> str:

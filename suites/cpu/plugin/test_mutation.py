@@ -80,15 +80,15 @@ def test_every_mutation_changes_its_collective_as_the_table_says(spawn):
     assert {m for m, *_ in EXPECTED} == set(MUTATIONS)  # every mutation of the table is checked
     with plan.recording() as clean:
         assert _plain(spawn(collectives_on_rank, 2)) == CLEAN
-    calls = clean.calls[0]
-    assert sorted(calls) == [0, 1] and len(calls[0]) == len(calls[1])
+    [(call, calls)] = clean.calls.items()
+    assert call.endswith(".collectives_on_rank#1") and sorted(calls) == [0, 1] and len(calls[0]) == len(calls[1])
     kinds = {"funcol": "_c10d_functional.all_reduce", "recv1": "c10d.recv_"}
     for mutation, key, occurrence, want in EXPECTED:
         op_kind = MUTATIONS[mutation].kind
         rec = next(c for c in calls[0] if c["op"] == kinds.get(key, c["op"]) and c["kind"] == op_kind
                    and c["occurrence"] == occurrence and mutation in c["mutations"])
         assert rec["function"] == "collectives_on_rank" and rec["site"].endswith(".py:" + rec["site"].rsplit(":")[-1])
-        target = {"call": 0, "site": rec["site"], "op": rec["op"], "occurrence": occurrence, "mutation": mutation}
+        target = {"call": call, "site": rec["site"], "op": rec["op"], "occurrence": occurrence, "mutation": mutation}
         with plan.recording(target):
             got = _plain(spawn(collectives_on_rank, 2))
         for r in range(2):
@@ -122,7 +122,8 @@ def backward_reduce_on_rank():
 def test_a_reduction_in_backward_is_seen_as_backward_and_mutated(spawn):
     with plan.recording() as clean:
         assert [g.tolist() for g in spawn(backward_reduce_on_rank, 2)] == [[[6, 6]]] * 2
-    (rec,) = clean.calls[0][0]
+    [ranks] = clean.calls.values()
+    (rec,) = ranks[0]
     assert rec["phase"] == "backward" and rec["function"] == "_Linear.backward"
     assert rec["caller"].endswith("backward_reduce_on_rank")  # the helper's caller, in another frame
     [m] = [m for m in plan.make_mutants(clean.calls) if m["mutation"] == "all_reduce.skip"]
@@ -154,7 +155,7 @@ def _rec(site, op, occurrence, mutations, kind="all_reduce"):
 
 def test_mutants_only_where_every_rank_made_the_call_and_spread_over_sites():
     both = ["all_reduce.skip", "all_reduce.twice"]
-    calls = {0: {0: [_rec("a.py:1", "c10d.allreduce_", 0, both), _rec("b.py:2", "c10d.allreduce_", 0, both)],
+    calls = {"m.f#1": {0: [_rec("a.py:1", "c10d.allreduce_", 0, both), _rec("b.py:2", "c10d.allreduce_", 0, both)],
                  1: [_rec("a.py:1", "c10d.allreduce_", 0, both), _rec("b.py:2", "c10d.allreduce_", 0, ["all_reduce.skip"])]}}
     mutants = plan.make_mutants(calls)
     assert [(m["site"], m["mutation"]) for m in mutants] == [
@@ -259,3 +260,19 @@ def test_planted_output_only_test_lets_the_gradient_reduction_mutant_survive(pyt
     assert "test_planted.py::test_output_only: 0/2 killed" in text and "1 equivalent" in text
     assert "test_planted.py::test_every_gradient: 3/3 killed" in text
     assert "missing reduction" in text
+
+
+def test_spawn_calls_are_named_by_function_so_a_cached_call_does_not_shift_the_target():
+    target = {"call": f"{__name__}.ddp_grad_on_rank#1", "site": "s", "op": "o", "occurrence": 0,
+              "mutation": "all_reduce.skip"}
+    clean = plan.Recording()
+    assert clean.next_message(collectives_on_rank) == {"target": None}  # every call recorded
+    rerun = plan.Recording(target)  # the rerun skips the first call (cached by the test): same name still
+    assert rerun.next_message(ddp_grad_on_rank) == {"target": {k: target[k] for k in ("site", "op", "occurrence", "mutation")}}
+    assert rerun.next_message(ddp_grad_on_rank) is None  # the second call of it: not intercepted
+
+
+def test_a_rerun_that_never_makes_the_mutants_call_is_an_error_not_a_survivor():
+    mutant = {"call": "m.f#1", "site": "s", "op": "c10d.allreduce_", "occurrence": 0, "mutation": "all_reduce.skip"}
+    [result] = plan.run_mutants(lambda: None, [mutant])
+    assert result["outcome"] == "error" and "not reached" in result["detail"]
