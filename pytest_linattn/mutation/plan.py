@@ -88,7 +88,8 @@ def calls_returned(rank_calls: dict[int, list]) -> None:
 
 def make_mutants(calls: dict[int, dict[int, list]]) -> list[dict]:
     """Every mutant of a clean run: one per (spawn call, site, op, occurrence, mutation) applicable
-    on every rank that made that call; ordered by site (first seen), then mutation, occurrence."""
+    on every rank that made that call; ordered by site (first seen), spawn call, occurrence, mutation
+    (so a bounded selection tries each mutation of a site's first call before its later calls)."""
     found: dict[tuple, dict] = {}
     made_by: dict[tuple, set] = {}
     for c in calls:
@@ -108,8 +109,8 @@ def make_mutants(calls: dict[int, dict[int, list]]) -> list[dict]:
     names = list(MUTATIONS)
     mutants = [m for key, m in found.items() if set(m["ranks"]) == made_by[key[:4]]]
     call_order = {c: i for i, c in enumerate(calls)}
-    mutants.sort(key=lambda m: (site_order[(m["site"], m["op"])], names.index(m["mutation"]), m["occurrence"],
-                                call_order[m["call"]]))
+    mutants.sort(key=lambda m: (site_order[(m["site"], m["op"])], call_order[m["call"]], m["occurrence"],
+                                names.index(m["mutation"])))
     return mutants
 
 

@@ -23,9 +23,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .mutations import MUTATIONS, NOT_COLLECTIVES, op_kind
 
-__all__ = ["CollectiveInterceptor", "intercepting", "take_calls"]
+__all__ = ["CollectiveInterceptor", "HANDOVER_FUNCTION", "intercepting", "take_calls"]
 
 NAMESPACES = ("c10d", "_c10d_functional")
+HANDOVER_FUNCTION = "whole (the harness's hand-over of a DTensor: not mutated)"
 _C = torch._C._distributed_c10d
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _OWN_DIR = os.path.dirname(__file__) + os.sep
@@ -33,6 +34,9 @@ _STDLIB_DIR = sysconfig.get_paths()["stdlib"] + os.sep
 # Decorators torch wraps its entry points in (typing_extensions.deprecated): not a call site.
 _WRAPPER_FILES = tuple(os.path.splitext(m.__file__)[0] for m in (
     sys.modules.get("typing_extensions"),) if m is not None and getattr(m, "__file__", None))
+# The harness's hand-over of a DTensor to the test process (`whole`: full_tensor for the
+# comparison): part of the check, not of the code under test; recorded, never mutated.
+_HANDOVER = (os.path.join(os.path.dirname(_OWN_DIR.rstrip(os.sep)), "harness", "sharded_parity_rank.py"), "whole")
 _LAST_CALLS: list[dict] | None = None  # the calls of the last intercepted call of fn on this rank
 
 
@@ -79,6 +83,8 @@ def call_site(frame) -> tuple[str, str, str]:
     if frame is None:
         return "?", "?", ""
     path = frame.f_code.co_filename
+    if (path, frame.f_code.co_name) == _HANDOVER:
+        return f"{_shown_path(path)}:{frame.f_lineno}", HANDOVER_FUNCTION, ""
     site, function = f"{_shown_path(path)}:{frame.f_lineno}", frame.f_code.co_qualname
     caller, crossed = frame.f_back, False  # crossed: torch's frames lie between (autograd's apply, the engine)
     while caller is not None:
@@ -357,7 +363,7 @@ class CollectiveInterceptor(TorchDispatchMode):
             "op": op, "kind": kind, "site": site, "function": function, "caller": caller,
             "phase": "backward" if torch._C._current_graph_task_id() != -1 else "forward",
             "group_size": call.size, "occurrence": occurrence,
-            "mutations": self._applicable(call, kind, key, occurrence),
+            "mutations": [] if function == HANDOVER_FUNCTION else self._applicable(call, kind, key, occurrence),
         })
         t = self.target
         mutation = None

@@ -39,11 +39,11 @@ def equivalence_rule(args: tuple, kwargs: dict) -> tuple[str, str, str]:
 
 
 def equivalent_reason(mutant: dict, rules) -> str | None:
-    """The reason of the first rule matching the mutant's site (or its path, or its function) and
-    mutation; None when none does."""
+    """The reason of the first rule matching the mutant's site (or its path, its function, or its
+    caller ``path:line function``) and mutation; None when none does."""
     path = mutant["site"].rsplit(":", 1)[0]
     for match, mutation, reason in rules:
-        where = any(fnmatch(s, match) for s in (mutant["site"], path, mutant["function"]))
+        where = any(fnmatch(s, match) for s in (mutant["site"], path, mutant["function"], mutant.get("caller", "")))
         if where and fnmatch(mutant["mutation"], mutation):
             return reason
     return None

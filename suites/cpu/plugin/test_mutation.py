@@ -160,6 +160,10 @@ def test_mutants_only_where_every_rank_made_the_call_and_spread_over_sites():
     mutants = plan.make_mutants(calls)
     assert [(m["site"], m["mutation"]) for m in mutants] == [
         ("a.py:1", "all_reduce.skip"), ("a.py:1", "all_reduce.twice"), ("b.py:2", "all_reduce.skip")]
+    # within a site: every mutation of its first call before its later calls
+    calls = {"m.f#1": {0: [_rec("a.py:1", "c10d.allreduce_", k, both) for k in range(2)]}}
+    assert [(m["occurrence"], m["mutation"]) for m in plan.make_mutants(calls)] == [
+        (0, "all_reduce.skip"), (0, "all_reduce.twice"), (1, "all_reduce.skip"), (1, "all_reduce.twice")]
     # a bound of 2 takes each site's first mutant before any site's second
     assert [(m["site"], m["mutation"]) for m in plan.select(mutants, 2)] == [
         ("a.py:1", "all_reduce.skip"), ("b.py:2", "all_reduce.skip")]
