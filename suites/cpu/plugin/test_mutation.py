@@ -280,3 +280,22 @@ def test_a_rerun_that_never_makes_the_mutants_call_is_an_error_not_a_survivor():
     mutant = {"call": "m.f#1", "site": "s", "op": "c10d.allreduce_", "occurrence": 0, "mutation": "all_reduce.skip"}
     [result] = plan.run_mutants(lambda: None, [mutant])
     assert result["outcome"] == "error" and "not reached" in result["detail"]
+
+
+def test_the_bound_is_a_positive_whole_number():
+    from pytest_linattn.options import OPTIONS
+
+    parse = OPTIONS["mutants_per_test"].parse
+    assert parse("8", "--linattn-mutants-per-test") == 8 and parse(3, "linattn_mutants_per_test") == 3
+    for bad in ("0", "-1", "two", "1.5", True):
+        with pytest.raises(ValueError, match="--linattn-mutants-per-test: expected a positive whole number"):
+            parse(bad, "--linattn-mutants-per-test")
+
+
+def test_under_torchrun_it_is_a_usage_error_not_ignored(pytester, monkeypatch):
+    pytester.makepyfile("def test_x(): pass")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    result = pytester.runpytest("-p", "pytest_linattn", "-p", "no:xdist", "--linattn-mutate-collectives")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*--linattn-mutate-collectives does not run under torchrun*"])
