@@ -65,7 +65,7 @@ def describe(r: dict) -> str:
             f"{r['call'].rsplit('.', 1)[-1]}, call {r['occurrence'] + 1} there]")
 
 
-def test_line(test: str, summary: dict, results: list[dict]) -> str:
+def score_line(test: str, summary: dict, results: list[dict]) -> str:
     killed, counted = score(results)
     counts = {o: sum(r["outcome"] == o for r in results if not r.get("equivalent")) for o in
               ("killed", "timeout", "error", "survived")}
@@ -83,7 +83,7 @@ def format_summary(tests: list[dict]) -> str:
     all_results = [r for t in tests for r in t["results"]]
     killed, counted = score(all_results)
     for t in tests:
-        lines.append(test_line(t["test"], t["summary"], t["results"]))
+        lines.append(score_line(t["test"], t["summary"], t["results"]))
     for t in tests:
         for r in t["results"]:
             if r["outcome"] == "survived" and not r.get("equivalent"):
