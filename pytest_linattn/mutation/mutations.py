@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MUTATIONS", "Mutation", "OP_KINDS", "op_kind"]
+__all__ = ["MUTATIONS", "Mutation", "NOT_COLLECTIVES", "OP_KINDS", "op_kind"]
 
 
 @dataclass(frozen=True)

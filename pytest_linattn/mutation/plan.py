@@ -17,7 +17,7 @@ from collections.abc import Callable
 from .mutations import MUTATIONS
 
 __all__ = ["OUTCOMES", "Recording", "active_message", "calls_returned", "classify", "make_mutants",
-           "recording", "run_mutants"]
+           "recording", "run_mutants", "select"]
 
 # killed: the test failed on an assertion (in the test process or on a rank). timeout: its ranks
 # hung (counted as killed, shown apart). error: it failed otherwise (a rank raised a non-assertion
