@@ -189,6 +189,13 @@ OPTIONS: dict[str, Option] = {o.key: o for o in (
                 "the kernels are the real ones) wherever ranks share one"),
     Option("report", "--linattn-report", "linattn_report", "linattn_report", None, parse_directory,
            metavar="DIR", help="write the parity report (JSON and error heatmaps) to this directory"),
+    # collective mutation testing: pytest_linattn.mutation, docs/mutation.md
+    Option("mutate_collectives", "--linattn-mutate-collectives", "linattn_mutate_collectives",
+           "linattn_mutate_collectives", "off", parse_switch, metavar="on|off", bare_value="on",
+           help="after each passing test that runs ranks, rerun it once per collective mutant (a collective "
+                "skipped, doubled, reordered...) and report the mutants it did not notice; they fail the session"),
+    Option("mutants_per_test", "--linattn-mutants-per-test", "linattn_mutants_per_test", "linattn_mutants_per_test",
+           "32", parse_count, metavar="N", help="the most collective mutants run per test, spread over its call sites"),
 )}
 # Used when neither the command line, a conftest nor an ini key gives a value.
 DEFAULTS = {key: o.default for key, o in OPTIONS.items() if o.default is not None}

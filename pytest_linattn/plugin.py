@@ -6,7 +6,8 @@ turns it off.
 
 Options: one table, ``pytest_linattn.options.OPTIONS`` (``pytest --help`` shows it): ``--tp``,
 ``--cp``, ``--linattn-device``, ``--linattn-timeout``, ``--linattn-report``, ``--linattn-fla-on-cpu``,
-``--linattn-fla-interpreted``, ``--linattn-autotune``, each also an ini key (``linattn_tp``, ...).
+``--linattn-fla-interpreted``, ``--linattn-autotune``, ``--linattn-mutate-collectives``,
+``--linattn-mutants-per-test``, each also an ini key (``linattn_tp``, ...).
 A value is the command line's, else one a conftest put in ``config.option.<dest>`` (None unless
 given on the command line, so a conftest's pytest_configure may set suite defaults), else the ini
 key's, else the default; it is read where it is used (collection, spawn), not at configure.
@@ -34,7 +35,8 @@ Fixtures:
 Markers: ``world_size(n)`` (the ranks a test needs: skipped on cuda without n GPUs),
 ``gpus(n)`` (skipped when the machine, or the run's device choice, has fewer than n GPUs; with
 ``--linattn-ranks-per-gpu N`` both need ceil(n / N) GPUs),
-``suite(name)`` (the test's home suite), ``tp_sizes(*sizes)``, ``cp_sizes(*sizes)``.
+``suite(name)`` (the test's home suite), ``tp_sizes(*sizes)``, ``cp_sizes(*sizes)``,
+``equivalent_mutant(site_or_function, mutation, reason=...)`` (pytest_linattn.mutation).
 
 The logic lives in plain modules (options, size_selection, pool, gpus, parity, seqlens, float64)
 and the parity records in one plugin object, ``parity_records.ParityRecorder``; this module only
@@ -145,6 +147,9 @@ def pytest_configure(config):
         "cp_sizes(*sizes): the context-parallel sizes the test supports; others are deselected",
     ):
         config.addinivalue_line("markers", line)
+    from .mutation.recorder import MARKER, MutationRecorder
+
+    config.addinivalue_line("markers", MARKER)
     state = config.stash[_STATE] = _State(config)
     config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
     config.pluginmanager.register(FlaOnCpuReport(), "linattn-fla-on-cpu-report")  # header line; Triton's CPU error
@@ -158,6 +163,11 @@ def pytest_configure(config):
     from .ranks.launcher import launcher_world_size
 
     world_size = launcher_world_size()
+    if option_value(config, "mutate_collectives"):
+        if world_size is not None:
+            raise pytest.UsageError("--linattn-mutate-collectives does not run under torchrun (a mutant's broken "
+                                    "process group cannot be replaced there): run without torchrun")
+        config.pluginmanager.register(MutationRecorder(config), MutationRecorder.name)
     if world_size is not None and not state.is_worker:
         _start_launcher_mode(config, state, world_size)
 

@@ -33,7 +33,8 @@ class Spawn:
             return dispatch.run_on_ranks(fn, world_size, args, kwargs, device=self._device, timeout=self.timeout,
                                          pools=self._pools, launcher=self._launcher,
                                          fla_on_cpu=_active_fla_emulation(), test=getattr(self._item, "nodeid", ""),
-                                         ranks_per_gpu=self.ranks_per_gpu)
+                                         ranks_per_gpu=self.ranks_per_gpu,
+                                         collectives=_active_collective_plan(fn))
         except pool.NotEnoughGpus as exc:
             pytest.skip(f"spawn(world_size={world_size}): {exc}")
         except pool.RankFailure as exc:
@@ -113,6 +114,12 @@ class LauncherStops:
         item = self.current
         _list_not_run(item, f"the launcher stopped this session during {item.nodeid} (a rank on its node exited)",
                       with_item=True)
+
+
+def _active_collective_plan(fn):
+    # --linattn-mutate-collectives: what this call's ranks record or mutate (pytest_linattn.mutation.plan)
+    plan = sys.modules.get("pytest_linattn.mutation.plan")
+    return None if plan is None else plan.active_message(fn)
 
 
 def _active_fla_emulation():

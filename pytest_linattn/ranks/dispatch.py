@@ -16,19 +16,24 @@ _LAUNCHER_SESSION = None
 def run_on_ranks(fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
                  device: str, timeout: float, pools: Callable[[], PoolManager] | None,
                  launcher: LauncherSession | None = None, fla_on_cpu=None, test: str = "",
-                 ranks_per_gpu: int = 1) -> list[Any]:
+                 ranks_per_gpu: int = 1, collectives=None) -> list[Any]:
     """fn(*args, **kwargs) on world_size ranks; the values in rank order, on CPU.
 
     Under torchrun (WORLD_SIZE set) fn runs on the launcher's process group, through `launcher`
     or else this process's own session; `test` names the caller in a report when the ranks'
     calls disagree; on cuda up to `ranks_per_gpu` local ranks share a GPU. Otherwise on a spawned
     pool of `pools()`, the caller's PoolManager (asked for only then, and sharing GPUs as it was
-    made to); `fla_on_cpu` as in `Pool.run`.
+    made to); `fla_on_cpu` and `collectives` as in `Pool.run`.
     """
     if launcher is None and launcher_world_size() is not None:
         launcher = _launcher_session(world_size)
     if launcher is None:
-        return pools().run(fn, world_size, args, kwargs, timeout=timeout, fla_on_cpu=fla_on_cpu)
+        return pools().run(fn, world_size, args, kwargs, timeout=timeout, fla_on_cpu=fla_on_cpu,
+                           collectives=collectives)
+    if collectives is not None:
+        raise NotImplementedError("collective mutation testing does not run under torchrun (the launcher's ranks "
+                                  "cannot be restarted after a mutant breaks them): run the tests without "
+                                  "torchrun, on spawn's rank pool")
     return launcher.run(fn, check_world_size(world_size), args, kwargs, device=resolve_device(device),
                         timeout=parse_timeout(timeout), test=test, ranks_per_gpu=ranks_per_gpu)
 

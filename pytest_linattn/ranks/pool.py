@@ -237,11 +237,13 @@ class Pool:
     # -- calls
 
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
-            timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None) -> list[Any]:
+            timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None, collectives=None) -> list[Any]:
         """fn(*args, **kwargs) on every rank; the return values in rank order, on CPU.
 
         fla_on_cpu: None, or the fla modes (`linattn.emulation.active_modes()`: fla's ops
-        emulated, fla's kernels interpreted) entered on every rank around fn. Raises RankFailure
+        emulated, fla's kernels interpreted) entered on every rank around fn. collectives: None, or
+        the collective interception of pytest_linattn.mutation (its calls go back to
+        `mutation.plan.calls_returned`). Raises RankFailure
         (RankTimeout on a hang) and breaks the pool on any failure.
         """
         timeout = parse_timeout(timeout)
@@ -249,7 +251,7 @@ class Pool:
             raise ValueError(f"fn must be callable, got {fn!r}")
         if not self.alive():
             raise RuntimeError("this pool is broken or closed; start a new one")
-        msg = task_message(fn, tuple(args), dict(kwargs or {}), fla_on_cpu)
+        msg = task_message(fn, tuple(args), dict(kwargs or {}), fla_on_cpu, collectives)
         self._dump_offsets = reports.dump_sizes(self._dump_paths)
         try:
             for conn in self.conns:
@@ -272,6 +274,7 @@ class Pool:
         deadline = start + timeout
         replies: dict[int, tuple] = {}
         records: dict[int, list] = {}
+        calls: dict[int, list] = {}  # rank -> the collectives it recorded (pytest_linattn.mutation)
         errors: dict[int, str] = {}
         deaths: dict[int, int | None] = {}
         blocked: dict[int, str] = {}  # rank -> the torch.distributed function it is blocked in
@@ -313,6 +316,8 @@ class Pool:
                 pending.discard(r)
                 if len(reply) > 2 and reply[2]:
                     records[r] = reply[2]
+                if len(reply) > 3 and reply[3] is not None:
+                    calls[r] = reply[3]
                 if reply[0] == "error":
                     errors[r] = reply[1]
                 else:
@@ -324,6 +329,10 @@ class Pool:
                 break  # every rank still out waits in torch.distributed: no grace helps
         if records:
             add_rank_records(records)
+        if calls:
+            from ..mutation.plan import calls_returned
+
+            calls_returned(calls)
         if not pending and not errors and not deaths:
             return [replies[r] for r in range(self.world_size)]
         self.broken = True
@@ -393,10 +402,10 @@ class PoolManager:
         return pool
 
     def run(self, fn: Callable, world_size: int, args: tuple = (), kwargs: dict | None = None, *,
-            timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None) -> list[Any]:
+            timeout: float = DEFAULT_TIMEOUT, fla_on_cpu=None, collectives=None) -> list[Any]:
         pool = self.pool(world_size, timeout=timeout, fla=fla_on_cpu is not None)
         try:
-            return pool.run(fn, args, kwargs, timeout=timeout, fla_on_cpu=fla_on_cpu)
+            return pool.run(fn, args, kwargs, timeout=timeout, fla_on_cpu=fla_on_cpu, collectives=collectives)
         finally:
             if not pool.alive():
                 self._discard(world_size)

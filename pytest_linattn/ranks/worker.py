@@ -82,9 +82,10 @@ class _RecordingPickler(pickle.Pickler):
         return NotImplemented
 
 
-def task_message(fn, args: tuple, kwargs: dict, fla_dtype) -> bytes:
+def task_message(fn, args: tuple, kwargs: dict, fla_dtype, collectives=None) -> bytes:
     """What the parent sends every rank for one call of fn(*args, **kwargs). fla_dtype: None, or
-    the fla modes to enter around fn (`linattn.emulation.active_modes()`)."""
+    the fla modes to enter around fn (`linattn.emulation.active_modes()`); collectives: None, or
+    the collective interception to enter around fn (`pytest_linattn.mutation.plan.active_message()`)."""
     buf = io.BytesIO()
     pickler = _RecordingPickler(buf)
     try:
@@ -98,7 +99,7 @@ def task_message(fn, args: tuple, kwargs: dict, fla_dtype) -> bytes:
         path = getattr(sys.modules.get(name), "__file__", None)
         if path:
             files[name] = path
-    return pickle.dumps((list(sys.path), files, buf.getvalue(), fla_dtype),
+    return pickle.dumps((list(sys.path), files, buf.getvalue(), fla_dtype, collectives),
                         protocol=pickle.HIGHEST_PROTOCOL)
 
 
@@ -241,22 +242,32 @@ def _sync_sys_path(paths: list[str]) -> None:
 
 
 
+def _take_collective_calls() -> list | None:
+    # the calls pytest_linattn.mutation.rank recorded in this call, when it intercepted them
+    rank = sys.modules.get("pytest_linattn.mutation.rank")
+    return None if rank is None else rank.take_calls()
+
+
 def _run_task(msg: bytes) -> tuple:
     status, value = _run_task_inner(msg)
-    return status, value, _take_parity_records()
+    return status, value, _take_parity_records(), _take_collective_calls()
 
 
 def _run_task_inner(msg: bytes) -> tuple:
     # BaseException: SystemExit too, a rank must always answer.
     try:
-        sys_path, files, payload, fla_dtype = pickle.loads(msg)
+        sys_path, files, payload, fla_dtype, collectives = pickle.loads(msg)
         _sync_sys_path(sys_path)
         fn, args, kwargs = _FileAwareUnpickler(io.BytesIO(payload), files).load()
-        rank_context = contextlib.nullcontext()
+        rank_context = contextlib.ExitStack()
         if fla_dtype is not None:  # linattn.emulation.active_modes() of the test process
             from linattn.emulation import modes_context
 
-            rank_context = modes_context(fla_dtype)
+            rank_context.enter_context(modes_context(fla_dtype))
+        if collectives is not None:  # --linattn-mutate-collectives: record, maybe mutate
+            from ..mutation.rank import intercepting
+
+            rank_context.enter_context(intercepting(collectives))
     except BaseException:
         return ("error", "could not load the function on this rank:\n" + traceback.format_exc())
     try:

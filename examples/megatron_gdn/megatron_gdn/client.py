@@ -34,7 +34,8 @@ from megatron.core.transformer import TransformerConfig
 from pytest_linattn import ShardedLayer
 
 __all__ = ["CONFIG", "REPLICATED", "build", "finalize_grads", "forward_packed", "forward_unpacked",
-           "megatron_gdn_layer", "process_groups", "shard", "unshard", "unshard_without_out_norm"]
+           "megatron_gdn_layer", "process_groups", "shard", "unshard", "unshard_no_param_grads",
+           "unshard_without_out_norm"]
 
 # 4 key heads, 2 value heads each: TP 2 x CP 2 leaves every rank one key head (Megatron's CP
 # all-to-all splits each TP rank's heads again over CP)
@@ -118,16 +119,25 @@ def finalize_grads(module, placement):
     finalize_model_grads([module])
 
 
-def megatron_gdn_layer(packed: bool, family: str = "qwen3_5", *, check_out_norm: bool = True) -> ShardedLayer:
+def megatron_gdn_layer(packed: bool, family: str = "qwen3_5", *, check_out_norm: bool = True,
+                       param_grads: bool = True) -> ShardedLayer:
     """The client for the harness: Megatron's GDN against a reference of `family`'s layout
     (qwen3_5 or qwen3_next). check_out_norm=False leaves out_norm.weight's gradient out of the
-    comparison (the reference must not compute it either)."""
+    comparison, param_grads=False every parameter's (the output and the input gradient only, as
+    Megatron's own parity test compares); the reference must not compute them either."""
+    unshard_grads = unshard if check_out_norm else unshard_without_out_norm
+    if not param_grads:
+        unshard_grads = unshard_no_param_grads
     return ShardedLayer(build=build, process_groups=process_groups, after_backward=finalize_grads,
                         shard=functools.partial(shard, family=family),
-                        unshard=functools.partial(unshard if check_out_norm else unshard_without_out_norm,
-                                                  family=family),
-                        replicated=REPLICATED if check_out_norm else frozenset(),
+                        unshard=functools.partial(unshard_grads, family=family),
+                        replicated=REPLICATED if check_out_norm and param_grads else frozenset(),
                         forward=forward_packed if packed else forward_unpacked)
+
+
+def unshard_no_param_grads(local_grads, placement, family="qwen3_5"):
+    """No parameter's gradient (for a check of the output and the input gradient only)."""
+    return dict.fromkeys(unshard(local_grads, placement, family))
 
 
 def unshard_without_out_norm(local_grads, placement, family="qwen3_5"):

@@ -45,11 +45,14 @@ def reference(seed, family="qwen3_5"):
     return layer
 
 
-def check(spawn, placements, cu_seqlens, *, packed, seed, family="qwen3_5", check_out_norm=True):
+def check(spawn, placements, cu_seqlens, *, packed, seed, family="qwen3_5", check_out_norm=True, param_grads=True):
     ref = reference(seed, family)
     if not check_out_norm:
         ref.norm.weight.requires_grad_(False)
-    assert_sharded_parity(spawn, megatron_gdn_layer(packed, family, check_out_norm=check_out_norm), ref,
+    if not param_grads:
+        ref.requires_grad_(False)
+    layer = megatron_gdn_layer(packed, family, check_out_norm=check_out_norm, param_grads=param_grads)
+    assert_sharded_parity(spawn, layer, ref,
                           placements, cu_seqlens, hidden_size=CONFIG.hidden_size, seed=seed, rtol=RTOL,
                           world_size=WORLD, name="/".join([family, "packed" if packed else "one-sequence"]))
 
@@ -67,6 +70,15 @@ def test_packed_sequences(spawn, packed_seqlens):
     cp_cu = packed_seqlens(48, 5, seed=4, cp_size=2, layout="zigzag")
     check(spawn, [Placement(), TP2_SP], tp_cu, packed=True, seed=2)
     check(spawn, [CP2, TP2_CP2_SP], cp_cu, packed=True, seed=3)
+
+
+@pytest.mark.parametrize("checked", ["output-and-input-grad", "every-grad"])
+def test_tp2_sp(spawn, checked):
+    # The same check twice: as Megatron's own GDN parity test compares (the output and the input
+    # gradient) and as the harness does (every gradient too). Both pass; under
+    # --linattn-mutate-collectives the first lets communication bugs through, among them the
+    # out_norm gradient reduction that #7452 lacks with SP off (test_megatron_gdn_mutants.py)
+    check(spawn, [TP2_SP], [0, 32], packed=False, seed=6, param_grads=checked == "every-grad")
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["one-sequence", "packed"])

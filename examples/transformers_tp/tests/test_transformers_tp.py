@@ -24,10 +24,11 @@ import functools
 import re
 
 import pytest
+import torch
 
-from pytest_linattn import Placement, TrainingStep, assert_training_parity
+from pytest_linattn import Placement, TrainingStep, assert_parity, assert_training_parity
 from transformers_tp.checkpoints import MODELS, write_checkpoint
-from transformers_tp.client import adamw, load, parameter_placements, reference_forward, transformers_tp_layer
+from transformers_tp.client import adamw, forward, load, parameter_placements, reference_forward, transformers_tp_layer
 
 RTOL = 1e-5
 TP2 = Placement(tp=2)
@@ -93,9 +94,42 @@ def test_what_the_plan_shards(spawn, checkpoint, model):
     assert sharded == SHARDED[model] | DENSE | (FULL_ATTENTION if model != "kimi_linear" else set()) | {"lm_head"}
 
 
+# Under --linattn-mutate-collectives (test_transformers_tp_mutants.py): mutants of the harness's
+# default gradient norm that no DTensor plan can show
+@pytest.mark.equivalent_mutant("default_grad_norm", "all_reduce.*", reason=(
+    "under a DTensor TP plan the harness's norm counts every gradient whole on each rank: the TP sum of the "
+    "plain sharded gradients' squares is a sum of zeros"))
 @pytest.mark.parametrize("model", MODELS)
 def test_one_training_step(spawn, checkpoint, model):
     train(spawn, checkpoint, model, ONE, seed=1)
+
+
+def output_and_input_grad_on_rank(path, x, dy):
+    """The TP model's logits and the gradient of x (fed as inputs_embeds), whole on every rank."""
+    model = load(path, tp_size=2)
+    x = x.clone().requires_grad_()
+    y = forward(model, x, None, TP2)
+    y = y.full_tensor() if hasattr(y, "full_tensor") else y
+    (y * dy).sum().backward()
+    return y.detach(), x.grad
+
+
+def test_output_and_input_grad(spawn, checkpoint):
+    # test_one_training_step's first step checked as Megatron's own GDN parity test checks (the
+    # output and the input gradient; transformers' TensorParallelTesterMixin forward test compares
+    # the logits only). It passes; under --linattn-mutate-collectives it lets the q_norm / k_norm
+    # gradient all-reduce be skipped or doubled (the site of the accumulation bug below), which the
+    # training-step check kills
+    path = checkpoint("qwen3_5")
+    gen = torch.Generator().manual_seed(1)
+    x, dy = torch.randn(1, 24, HIDDEN, generator=gen, dtype=torch.float64), torch.randn(1, 24, VOCAB, generator=gen, dtype=torch.float64)
+    reference = load(path)
+    xr = x.clone().requires_grad_()
+    y = reference_forward(reference, xr, None)
+    (y * dy).sum().backward()
+    for rank, (y_rank, dx_rank) in enumerate(spawn(output_and_input_grad_on_rank, 2, str(path), x, dy)):
+        assert_parity(y_rank, y.detach(), rtol=RTOL, name=f"qwen3_5 logits (rank {rank})")
+        assert_parity(dx_rank, xr.grad, rtol=RTOL, name=f"qwen3_5 input grad (rank {rank})")
 
 
 # transformers' bug, stated for its tracker; figures from `pytest examples/transformers_tp -k accumulation
