@@ -131,15 +131,19 @@ class _State:
         return resolve_device(option_value(self.config, "device")) == "cuda"
 
 
+# The plugin's markers, one table (`pytest --markers` and the docs' reference read it).
+MARKERS = (
+    "world_size(n): the test runs n ranks; skipped on cuda with fewer than n GPUs",
+    "gpus(n): skipped when the machine (or --linattn-device) has fewer than n GPUs",
+    "suite(name): the test's home suite (suites/<name>), used by linattn-rerun",
+    "tp_sizes(*sizes): the tensor-parallel sizes the test supports; others are deselected",
+    "cp_sizes(*sizes): the context-parallel sizes the test supports; others are deselected",
+)
+
+
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config):
-    for line in (
-        "world_size(n): the test runs n ranks; skipped on cuda with fewer than n GPUs",
-        "gpus(n): skipped when the machine (or --linattn-device) has fewer than n GPUs",
-        "suite(name): the test's home suite (suites/<name>), used by linattn-rerun",
-        "tp_sizes(*sizes): the tensor-parallel sizes the test supports; others are deselected",
-        "cp_sizes(*sizes): the context-parallel sizes the test supports; others are deselected",
-    ):
+    for line in MARKERS:
         config.addinivalue_line("markers", line)
     state = config.stash[_STATE] = _State(config)
     config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
