@@ -307,7 +307,14 @@ def pytest_runtest_setup(item):
 @pytest.fixture
 def spawn(request):
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks with torch.distributed initialised;
-    returns the ranks' return values in rank order, tensors moved to CPU."""
+    returns the ranks' return values in rank order, tensors moved to CPU.
+
+    ``spawn(fn, world_size, *args, **kwargs)``: fn must be module-level (it is pickled by
+    reference). The ranks come from pools that persist per (world size, device) for the session:
+    gloo on a CPU, NCCL on GPUs with one GPU per rank (``--linattn-device``). A raising, dying or
+    hanging rank (``--linattn-timeout``; ``spawn.timeout = 5`` for this test) fails the test with
+    every rank's traceback or stack. Under torchrun (WORLD_SIZE set) fn runs on the launcher's
+    process group instead, world_size must be WORLD_SIZE, and every rank gets the gathered list."""
     from .spawn import Spawn
 
     state = request.config.stash[_STATE]

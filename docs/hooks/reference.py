@@ -50,8 +50,9 @@ def _cell(text: str) -> str:
 
 
 def _doc(obj) -> str:
+    """The docstring as written (plain text, its indentation kept)."""
     text = inspect.cleandoc(obj.__doc__ or "(no docstring)")
-    return re.sub(r"``([^`]+)``", r"`\1`", text)
+    return "```text\n" + re.sub(r"``([^`]+)``", r"`\1`", text) + "\n```"
 
 
 def options() -> str:
@@ -97,11 +98,11 @@ def api() -> str:
                 out += [f"#### `{module_name}.{name}`", "", f"`{obj!r}`", ""]
                 continue
             try:
-                signature = str(inspect.signature(obj))
+                signature = re.sub(r" at 0x[0-9a-f]+>", ">", str(inspect.signature(obj)))
             except (TypeError, ValueError):
                 signature = "(...)"
             kind = "class " if inspect.isclass(obj) else ""
-            out += [f"#### `{module_name}.{name}`", "", "```text", f"{kind}{name}{signature}", "```", "",
+            out += [f"#### `{module_name}.{name}`", "", "```python", f"{kind}{name}{signature}", "```", "",
                     _doc(obj), ""]
     return "\n".join(out)
 
