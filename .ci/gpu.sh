@@ -23,7 +23,7 @@
 # The tests need no carried cache: they search no configs (--linattn-autotune shipped, the
 # plugin's default: the configs in pytest_linattn/fla_configs/, else each kernel's first config),
 # so a fresh machine only compiles one config per kernel (gpu-1: 76-77 s of tests on a fresh
-# machine, in four processes grouped by the kernels they compile; docs/gpu-results.md). The benchmarks still search (they time the fastest
+# machine, in four processes grouped by the kernels they compile; docs/results.md). The benchmarks still search (they time the fastest
 # config), and there the cache still saves minutes.
 set -uo pipefail
 START=${LINATTN_GPU_START:-$(date +%s)}

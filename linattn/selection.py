@@ -105,7 +105,7 @@ def choose_short_conv_backend(facts: Facts) -> Choice:
             )
         return Choice(explicit, f"FLA_CONV_BACKEND={explicit} is set")
     if facts.cuda_available and facts.causal_conv1d_bwd_importable:
-        # the fastest at the production layers' shapes (docs/benchmarks.md, kernel table)
+        # the fastest at the production layers' shapes (docs/results.md, kernel selection)
         return Choice("cuda", "CUDA present and causal-conv1d's CUDA kernels import: CUDA forward and backward")
     if facts.cuda_available:
         return Choice("triton", "CUDA present but causal-conv1d's CUDA backward does not import")

@@ -4,7 +4,7 @@ importing fla costs seconds, so only the tests that use it pay).
 - `fla_layer(kind, **options)`: fla's own GatedDeltaNet / KimiDeltaAttention, float64, its
   weights from the project's seeded `random_state_dict` through the fla name map.
 - `HeadShardedGDN` / `fla_gdn_client()`: a team's tensor- and context-parallel gated delta net on
-  fla's public ops, described to the harness (docs/harness.md's fla example is this client): its
+  fla's public ops, described to the harness (docs/getting-started.md's example is this client, at other sizes): its
   heads split over TP (q/k/v/a/b/g column-parallel, the per-channel short convs, A_log and
   dt_bias by head, o_norm replicated, o_proj row-parallel), its tokens over CP through fla's
   `build_cp_context(..., layout=placement.fla_layout)` and `cp_context=`. The reference is fla's

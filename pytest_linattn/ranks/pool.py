@@ -70,7 +70,7 @@ def thread_share(processes: int) -> int:
     """CPU threads for each of `processes` processes sharing this machine (a pool's ranks, xdist's
     workers), unless OMP_NUM_THREADS says otherwise: more OpenMP threads than cores spin and
     thrash, and slow every process (gpu-1's four xdist workers on 16 cores: their tests' summed
-    time was 454 s with torch's 16 threads each, 135 s with 4; docs/gpu-results.md)."""
+    time was 454 s with torch's 16 threads each, 135 s with 4; 2026-12-01, nvidia-h200)."""
     return max(1, (os.cpu_count() or 1) // max(1, processes))
 
 

@@ -1,4 +1,4 @@
-"""Suite speed against issue #31's targets, side by side: the README test command's wall time, a
+"""Suite speed, side by side: the README test command's wall time, a
 4-rank pool's start with the emulation on, the CPU cost of fla-based layer parity cases under the
 emulation, and every emulated fla op's time against the linattn.reference op it wraps.
 

@@ -1,5 +1,6 @@
 """PNG plots (matplotlib, Agg) from the benchmark scripts' JSON: ms vs tokens per backend
-(bench_kernels), layer ms vs tokens per TP/CP (bench_layers), the breakdown bars (bench_breakdown).
+(bench_kernels), layer ms vs tokens per TP/CP (bench_layers), the breakdown bars (bench_breakdown), the
+time against fla's layers (bench_vs_fla).
 
 The scripts draw them with --plot DIR; to re-plot saved results (needs matplotlib, not torch):
 
@@ -85,6 +86,18 @@ def plot(payload: dict, out_dir) -> list[Path]:
             ax.set_title(f"one layer step ({where})", fontsize=9)
             ax.legend(fontsize=7, ncol=3)
             save(fig, "breakdown.png")
+    elif bench == "vs_fla":
+        ok = [r for r in rows if r.get("time_ratio") is not None]
+        if ok:
+            fig, ax = plt.subplots(figsize=(7, 0.4 * len(ok) + 1.5))
+            labels = [f"{r['shape']} {tokens_label(r['tokens'])} ({r['step']})" for r in ok]
+            ax.barh(labels, [r["time_ratio"] for r in ok])
+            ax.axvline(1.0, color="black", linewidth=0.8)
+            ax.set_xlim(min(0.8, min(r["time_ratio"] for r in ok) - 0.02), max(1.05, max(r["time_ratio"] for r in ok) + 0.02))
+            ax.set_xlabel("time, ours / fla's layer (under 1: faster)")
+            ax.set_title(f"against fla's own layers ({where})", fontsize=9)
+            ax.invert_yaxis()
+            save(fig, "vs_fla_" + "_".join(sorted({r["shape"] for r in ok})) + ".png")
     return written
 
 

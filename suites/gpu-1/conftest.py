@@ -6,7 +6,7 @@ Tests that compile the same variants share an xdist group, so one process compil
 the other groups compile side by side (with `--dist loadfile` two processes compiled chunk_kda's
 kernels at once). It pays only because each worker computes on its share of the cores
 (pytest_linattn.ranks.pool.thread_share): 67-71 s on a fresh H200, 133 s in one process
-(docs/gpu-results.md).
+(2026-12-01, nvidia-h200; current figures: docs/results.md).
 """
 
 from pathlib import Path

@@ -119,7 +119,7 @@ def test_fla_context_parallel_kda_matches_replicated(fla_on_cpu, spawn, cp_size,
 
 
 def test_fla_head_sharded_gdn_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
-    # docs/harness.md's fla example: TP 2, CP 2 in fla's two layouts, TP 2 x CP 2, against fla's
+    # the fla client of docs/getting-started.md (at smaller sizes): TP 2, CP 2 in fla's two layouts, TP 2 x CP 2, against fla's
     # replicated GatedDeltaNet; the packing has sequences across every interval edge
     from fla_clients import fla_forward, fla_gdn_client, fla_layer
 
