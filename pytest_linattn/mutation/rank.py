@@ -37,6 +37,8 @@ _WRAPPER_FILES = tuple(os.path.splitext(m.__file__)[0] for m in (
 # The harness's hand-over of a DTensor to the test process (`whole`: full_tensor for the
 # comparison): part of the check, not of the code under test; recorded, never mutated.
 _HANDOVER = (os.path.join(os.path.dirname(_OWN_DIR.rstrip(os.sep)), "harness", "sharded_parity_rank.py"), "whole")
+# The staged transport of ranks sharing a GPU: its inner gloo ops are the ones seen, called from there
+_TRANSPORT_FILE = os.path.join(os.path.dirname(_OWN_DIR.rstrip(os.sep)), "ranks", "staged.py")
 _LAST_CALLS: list[dict] | None = None  # the calls of the last intercepted call of fn on this rank
 
 
@@ -70,7 +72,8 @@ def _shown_path(path: str) -> str:
 
 
 def _outside(path: str) -> bool:
-    return not (path.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB_DIR) + _WRAPPER_FILES) or path.startswith("<"))
+    return not (path.startswith((_TORCH_DIR, _OWN_DIR, _STDLIB_DIR, _TRANSPORT_FILE) + _WRAPPER_FILES)
+                or path.startswith("<"))
 
 
 def call_site(frame) -> tuple[str, str, str]:
