@@ -6,7 +6,8 @@ turns it off.
 
 Options: one table, ``pytest_linattn.options.OPTIONS`` (``pytest --help`` shows it): ``--tp``,
 ``--cp``, ``--linattn-device``, ``--linattn-timeout``, ``--linattn-report``, ``--linattn-fla-on-cpu``,
-``--linattn-fla-interpreted``, ``--linattn-autotune``, each also an ini key (``linattn_tp``, ...).
+``--linattn-fla-interpreted``, ``--linattn-autotune``, ``--linattn-mutate-collectives``,
+``--linattn-mutants-per-test``, each also an ini key (``linattn_tp``, ...).
 A value is the command line's, else one a conftest put in ``config.option.<dest>`` (None unless
 given on the command line, so a conftest's pytest_configure may set suite defaults), else the ini
 key's, else the default; it is read where it is used (collection, spawn), not at configure.
@@ -32,8 +33,10 @@ Fixtures:
     float64_reference   pytest_linattn.float64.float64_reference
 
 Markers: ``world_size(n)`` (the ranks a test needs: skipped on cuda without n GPUs),
-``gpus(n)`` (skipped when the machine, or the run's device choice, has fewer than n GPUs),
-``suite(name)`` (the test's home suite), ``tp_sizes(*sizes)``, ``cp_sizes(*sizes)``.
+``gpus(n)`` (skipped when the machine, or the run's device choice, has fewer than n GPUs; with
+``--linattn-ranks-per-gpu N`` both need ceil(n / N) GPUs),
+``suite(name)`` (the test's home suite), ``tp_sizes(*sizes)``, ``cp_sizes(*sizes)``,
+``equivalent_mutant(site_or_function, mutation, reason=...)`` (pytest_linattn.mutation).
 
 The logic lives in plain modules (options, size_selection, pool, gpus, parity, seqlens, float64)
 and the parity records in one plugin object, ``parity_records.ParityRecorder``; this module only
@@ -85,7 +88,8 @@ class _State:
         if self.manager is None:
             from .ranks.pool import PoolManager
 
-            self.manager = PoolManager(option_value(self.config, "device"))
+            self.manager = PoolManager(option_value(self.config, "device"),
+                                       ranks_per_gpu=option_value(self.config, "ranks_per_gpu"))
         return self.manager
 
     def close(self):
@@ -147,6 +151,9 @@ MARKERS = (
 def pytest_configure(config):
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    from .mutation.recorder import MARKER, MutationRecorder
+
+    config.addinivalue_line("markers", MARKER)
     state = config.stash[_STATE] = _State(config)
     config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
     config.pluginmanager.register(FlaOnCpuReport(), "linattn-fla-on-cpu-report")  # header line; Triton's CPU error
@@ -160,6 +167,11 @@ def pytest_configure(config):
     from .ranks.launcher import launcher_world_size
 
     world_size = launcher_world_size()
+    if option_value(config, "mutate_collectives"):
+        if world_size is not None:
+            raise pytest.UsageError("--linattn-mutate-collectives does not run under torchrun (a mutant's broken "
+                                    "process group cannot be replaced there): run without torchrun")
+        config.pluginmanager.register(MutationRecorder(config), MutationRecorder.name)
     if world_size is not None and not state.is_worker:
         _start_launcher_mode(config, state, world_size)
 
@@ -203,8 +215,18 @@ def pytest_sessionstart(session):
 
 def pytest_report_header(config):
     # Called at session start, before the hook above: apply here too, so the header can say it.
-    plan = config.stash[_STATE].apply_autotune()
-    return None if plan is None else plan.describe()
+    state = config.stash[_STATE]
+    plan = state.apply_autotune()
+    lines = [] if plan is None else [plan.describe()]
+    per_gpu = option_value(config, "ranks_per_gpu")
+    if per_gpu > 1 and state.runs_on_cuda():
+        from .ranks.gpus import gpus_for, sharing_note
+
+        sizes = {option_value(config, "tp")[-1], option_value(config, "cp")[-1], per_gpu}
+        notes = [sharing_note(w, gpus_for(w, per_gpu)) for w in sorted(sizes) if w > 1]
+        lines.append(f"linattn: up to {per_gpu} ranks share a GPU (--linattn-ranks-per-gpu): "
+                     + "; ".join(notes) + ". A test transport: the kernels are the real ones, the communication is not")
+    return lines or None
 
 
 def pytest_unconfigure(config):
@@ -290,16 +312,19 @@ def pytest_runtest_setup(item):
         if gpus is not None and device == "cpu":
             _skip(f"needs {_marker_int(gpus)} GPU(s); this run uses --linattn-device cpu")
         if device != "cpu":
-            from .ranks.gpus import gpu_count
+            from .ranks.gpus import gpu_count, gpus_for
 
             have = gpu_count()
-            if gpus is not None and have < _marker_int(gpus):
-                _skip(f"needs {_marker_int(gpus)} GPU(s) (gpus({_marker_int(gpus)})); "
+            per_gpu = option_value(item.config, "ranks_per_gpu")
+            shared = f" at {per_gpu} ranks per GPU" if per_gpu > 1 else ""
+            # gpus(n) and world_size(n): n ranks, on n GPUs, or fewer where ranks share them
+            if gpus is not None and have < gpus_for(_marker_int(gpus), per_gpu):
+                _skip(f"needs {gpus_for(_marker_int(gpus), per_gpu)} GPU(s) (gpus({_marker_int(gpus)}){shared}); "
                       f"this machine has {have}")
-            # world_size(n) needs n GPUs only when the ranks run on GPUs (auto with none: CPU).
-            if world is not None and (device == "cuda" or have > 0) and have < _marker_int(world):
-                _skip(f"needs {_marker_int(world)} GPU(s) (world_size({_marker_int(world)})); "
-                      f"this machine has {have}")
+            # world_size(n) needs GPUs only when the ranks run on GPUs (auto with none: CPU).
+            if world is not None and (device == "cuda" or have > 0) and have < gpus_for(_marker_int(world), per_gpu):
+                _skip(f"needs {gpus_for(_marker_int(world), per_gpu)} GPU(s) (world_size({_marker_int(world)})"
+                      f"{shared}); this machine has {have}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -321,7 +346,18 @@ def spawn(request):
 
     state = request.config.stash[_STATE]
     return Spawn(state.launcher, state.pools, option_value(request.config, "device"),
-                 option_value(request.config, "timeout"), request.node)
+                 option_value(request.config, "timeout"), request.node,
+                 ranks_per_gpu=option_value(request.config, "ranks_per_gpu"))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    # A failed test whose ranks shared GPUs says so, whatever failed (a rank, or a check here).
+    spawn = getattr(item, "funcargs", {}).get("spawn")
+    if report.failed and getattr(spawn, "transport_notes", None):
+        report.sections.append(("linattn transport", "; ".join(spawn.transport_notes)))
+    return report
 
 
 # ----------------------------------------------------------------------------------------------
