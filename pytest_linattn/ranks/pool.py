@@ -118,7 +118,6 @@ class Pool:
         if device not in _POOL_DEVICES:
             raise ValueError(f"device must be one of {', '.join(_POOL_DEVICES)}, got {device!r}")
         self.device = device
-        self.ranks_per_gpu = ranks_per_gpu
         self.rank_gpus = rank_gpus(world_size, ranks_per_gpu) if device == "cuda" else [None] * world_size
         gpus = len(set(self.rank_gpus))
         if device == "cuda" and len(gpu_ids or []) < gpus:

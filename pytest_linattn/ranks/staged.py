@@ -246,15 +246,18 @@ class StagedGroup(dist.ProcessGroup):
         _copy_back(tensors, hosts)
         return _done(tensors)
 
-    def allgather(self, output_tensors, input_tensors, opts=None):
-        opts = _options(opts, c10d.AllgatherOptions)
+    def _into_lists(self, inner_op, output_tensors, input_tensors, opts):
+        """all_gather and gather: each input staged, gathered into host lists, copied back."""
         ins = [_host(t) for t in input_tensors]
         outs = [[_host_like(o) for o in outputs] for outputs in output_tensors]
-        self._inner.allgather([[_wire(o) for o in outputs] for outputs in outs], [_wire(i) for i in ins],
-                              opts).wait()
+        inner_op([[_wire(o) for o in outputs] for outputs in outs], [_wire(i) for i in ins], opts).wait()
         for outputs, hosts in zip(output_tensors, outs):
             _copy_back(outputs, hosts)
         return _done(output_tensors)
+
+    def allgather(self, output_tensors, input_tensors, opts=None):
+        return self._into_lists(self._inner.allgather, output_tensors, input_tensors,
+                                _options(opts, c10d.AllgatherOptions))
 
     def allgather_coalesced(self, output_lists, input_list, opts=None):
         return self.allgather(output_lists, input_list, opts)
@@ -301,13 +304,7 @@ class StagedGroup(dist.ProcessGroup):
         return _done(output_tensors)
 
     def gather(self, output_tensors, input_tensors, opts=None):
-        opts = _options(opts, c10d.GatherOptions)
-        ins = [_host(t) for t in input_tensors]
-        outs = [[_host_like(o) for o in outputs] for outputs in output_tensors]
-        self._inner.gather([[_wire(o) for o in outputs] for outputs in outs], [_wire(i) for i in ins], opts).wait()
-        for outputs, hosts in zip(output_tensors, outs):
-            _copy_back(outputs, hosts)
-        return _done(output_tensors)
+        return self._into_lists(self._inner.gather, output_tensors, input_tensors, _options(opts, c10d.GatherOptions))
 
     def scatter(self, output_tensors, input_tensors, opts=None):
         opts = _options(opts, c10d.ScatterOptions)
