@@ -196,7 +196,8 @@ class StagedGroup(dist.ProcessGroup):
         avg = self._sum_op("reduce", opts.reduceOp, tensors)
         hosts = [_host(t) for t in tensors]
         inner = c10d.ReduceOptions()
-        inner.reduceOp, inner.rootRank, inner.rootTensor = (_SUM if avg else opts.reduceOp), opts.rootRank, opts.rootTensor
+        inner.reduceOp = _SUM if avg else opts.reduceOp
+        inner.rootRank, inner.rootTensor = opts.rootRank, opts.rootTensor
         self._inner.reduce(hosts, inner).wait()
         if self._rank == opts.rootRank:
             if avg:
