@@ -13,6 +13,12 @@ from linattn import selection
 from linattn.checks import fail
 
 BACKENDS = ("torch",) + selection.CONV_BACKENDS
+# fla 0.6.0's backends that cannot carry a conv state between calls, and why (measured on an
+# H200, 2026-12-03: "cuda" asserted on a chunked prefill's initial state)
+STATELESS_BACKENDS = {
+    "mix": "its FastCausalConv1dFn asserts no initial state and no final state",
+    "cuda": "it refuses an initial state with packed sequences, and autograd does not reach its final state",
+}
 ACTIVATIONS = ("silu", "swish", None)
 
 
@@ -32,7 +38,8 @@ def short_conv(
 
     initial_state / final_state: the conv state `[N, D, W-1]`, each sequence's last W-1 inputs
     (linattn.reference.short_conv's convention). backend None: `selection.short_conv_backend()`
-    for CUDA tensors, "torch" otherwise.
+    for CUDA tensors ("triton" where a state comes in or goes out: see STATELESS_BACKENDS),
+    "torch" otherwise.
     """
     if not (backend is None or backend in BACKENDS):
         fail("backend", f"must be None or one of {BACKENDS}, got {backend!r}")
@@ -42,8 +49,14 @@ def short_conv(
         fail("x", f"must be a [B, T, D] tensor, got {getattr(x, 'shape', x)!r}")
     if not (weight.dim() == 2 and weight.shape[0] == x.shape[2]):
         fail("weight", f"must be [D, W] with D={x.shape[2]}, got shape {tuple(weight.shape)}")
+    with_state = initial_state is not None or output_final_state
     if backend is None:
         backend = selection.short_conv_backend() if x.is_cuda else "torch"
+        if with_state and backend in STATELESS_BACKENDS:
+            backend = "triton"
+    elif with_state and backend in STATELESS_BACKENDS:
+        fail("backend", f"{backend!r} carries no conv state in fla 0.6.0 ({STATELESS_BACKENDS[backend]}): "
+                        f"use 'triton' or 'torch' with initial_state or output_final_state")
     state = dict(initial_state=initial_state, output_final_state=output_final_state)
     if backend == "torch":
         return _short_conv_torch(x, weight, cu_seqlens, bias, activation, **state)

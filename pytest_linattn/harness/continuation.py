@@ -179,8 +179,10 @@ def _field_names(state) -> list[str]:
 
 def _reference_run(forward, reference, x, dy, cu, h0, dht, differentiable):
     dtype = next(reference.parameters()).dtype
-    x = x.to(dtype).requires_grad_(differentiable)
-    h0 = _like(h0, lambda t: t.to(dtype).requires_grad_(differentiable))
+    # detach first: for a float64 reference .to() returns the caller's tensor itself, whose
+    # requires_grad would then reach the ranks (their non-float64 copies would not be leaves)
+    x = x.detach().to(dtype).requires_grad_(differentiable)
+    h0 = _like(h0, lambda t: t.detach().to(dtype).requires_grad_(differentiable))
     with torch.enable_grad():
         y, ht = forward(reference, x, cu, h0)
         if differentiable:

@@ -74,6 +74,18 @@ def test_short_conv_gpu_backend_on_cpu_tensor_raises(backend):
         kernels.short_conv(x, weight, cu, bias, backend=backend)
 
 
+@pytest.mark.parametrize("backend", ["mix", "cuda"])
+@pytest.mark.parametrize("state", ["initial_state", "output_final_state"])
+def test_short_conv_stateless_backend_with_a_state_raises(backend, state):
+    # fla 0.6.0's "mix" and "cuda" carry no conv state; without a backend named, CUDA tensors
+    # with a state take "triton" instead (the GPU suites' state path runs that)
+    (x, weight, bias), cu = conv_inputs(torch.float64)
+    given = {"initial_state": torch.randn(3, 6, 3, dtype=torch.float64)} if state == "initial_state" else \
+        {"output_final_state": True}
+    with pytest.raises(ValueError, match=f"^backend '{backend}' carries no conv state"):
+        kernels.short_conv(x, weight, cu, bias, backend=backend, **given)
+
+
 def test_short_conv_unknown_backend_raises():
     (x, weight, bias), cu = conv_inputs(torch.float32)
     with pytest.raises(ValueError, match="^backend.*'fast'"):

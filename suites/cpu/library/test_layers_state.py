@@ -38,10 +38,10 @@ def replicated(config, seed):
     return layer
 
 
-def check(spawn, config, placement, seed, path=None):
+def check(spawn, config, placement, seed, path=None, dtype=torch.float64, rtol=RTOL):
     assert_continuation_parity(spawn, path or linattn_state_path(config), replicated(config, seed), [placement], CU,
-                               hidden_size=config.hidden_size, seed=seed, rtol=RTOL, conv_width=config.conv_size,
-                               chunk_size=CHUNK_SIZE, name=config.family)
+                               hidden_size=config.hidden_size, seed=seed, rtol=rtol, conv_width=config.conv_size,
+                               chunk_size=CHUNK_SIZE, dtype=dtype, name=config.family)
 
 
 @pytest.mark.tp_sizes(2, 4)
@@ -54,6 +54,13 @@ def test_tp_continuation_matches_full_forward(spawn, tp_size, family):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp_continued_prefill_matches_full_forward(spawn, cp_size, family):
     check(spawn, make_config(family, 1), Placement(cp=cp_size), seed=20 + FAMILIES.index(family))
+
+
+@pytest.mark.parametrize("placement", [Placement(tp=2), Placement(cp=2)], ids=["tp2", "cp2"])
+def test_float32_continuation_matches_float64_full_forward(spawn, placement):
+    # the ranks' layer in float32 from the check's float64 inputs, states and weights (the GPU
+    # suite runs the same in bf16): each cast a leaf of its own
+    check(spawn, make_config("kda", 2), placement, seed=40, dtype=torch.float32, rtol=1e-5)
 
 
 # ---- planted bugs: wrappers around the layer's calls (module-level: the ranks get them by reference) ----
