@@ -92,28 +92,34 @@ class _NotRun:
 class LauncherStops:
     """Under torchrun: when the launcher's SIGTERM interrupts the session outside a distributed
     call (a rank on this node exited between calls), the summary names the test it came in and
-    lists that test and the ones after it as not run."""
+    lists that test (unless its call had been reported: then it came in the teardown) and the
+    ones after it as not run."""
 
     name = "linattn-launcher-stops"
 
     def __init__(self):
         self.current = None
+        self.current_ran = False
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_protocol(self, item, nextitem):
-        self.current = item
+        self.current, self.current_ran = item, False
         result = yield
         self.current = None  # not reached when the test is interrupted
         return result
+
+    def pytest_runtest_logreport(self, report):
+        if report.when == "call" and self.current is not None and report.nodeid == self.current.nodeid:
+            self.current_ran = True
 
     def pytest_keyboard_interrupt(self, excinfo):
         from .ranks.launcher import LauncherStopped
 
         if not isinstance(excinfo.value, LauncherStopped) or self.current is None:
             return
-        item = self.current
-        _list_not_run(item, f"the launcher stopped this session during {item.nodeid} (a rank on its node exited)",
-                      with_item=True)
+        item, when = self.current, ("after" if self.current_ran else "during")
+        _list_not_run(item, f"the launcher stopped this session {when} {item.nodeid} (a rank on its node exited)",
+                      with_item=not self.current_ran)
 
 
 def _active_collective_plan(fn):

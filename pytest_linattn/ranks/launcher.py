@@ -319,7 +319,8 @@ class LauncherSession:
         try:
             verdict = regroup(self.store, partial(self.key, call.number), self.rank, self.world_size,
                               backend=self._backend, timeout=self._group_timeout,
-                              stopping=lambda: call.stop_reason, place=self.places().get(self.rank, ""))
+                              stopping=lambda: call.stop_reason, place=self.places().get(self.rank, ""),
+                              gone=self.gone_ranks)
         except Exception as exc:  # the launcher's store (its agent) is gone, or the new group failed
             verdict = f"rank {self.rank} could not make it: {type(exc).__name__}: {exc}"
         if verdict is None:

@@ -162,11 +162,13 @@ def agree_group_works(store, key: Callable, rank: int, world_size: int, works: b
 
 def regroup(store, key: Callable, rank: int, world_size: int, *, backend: str,
             timeout: datetime.timedelta, stopping: Callable[[], str | None], place: str = "",
-            wait: float = REGROUP_WAIT) -> str | None:
+            gone: Callable[[list], set] = lambda ranks: set(), wait: float = REGROUP_WAIT) -> str | None:
     """Destroy this rank's process groups and make a new world group (backend, timeout) with
     every rank, on `store` under this call's prefix (key: the call's store keys). None when it is
-    made; else why not, the same text on every rank: a rank that did not come within `wait`, or
-    one whose launcher is stopping it (`stopping()` says why; place: this rank's place)."""
+    made; else why not, the same text on every rank: a rank seen gone (`gone(ranks)`: those whose
+    process exited), one whose launcher is stopping it (`stopping()` says why; place: this rank's
+    place), or a rank that did not come within `wait`. A rank seen gone is named first: torchrun
+    stops the others of its node only some time after it exited."""
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -180,7 +182,10 @@ def regroup(store, key: Callable, rank: int, world_size: int, *, backend: str,
     came = False
     while True:
         stop = stopping()
-        if stop:
+        dead = gone([r for r, k in enumerate(here) if r != rank and not store.check([k])])
+        if dead:
+            proposal = f"{describe_ranks(sorted(dead))} exited"
+        elif stop:
             proposal = f"rank {rank}{place}: {stop}"
         elif store.check([verdict_key]):
             proposal = None  # another rank has decided

@@ -190,8 +190,8 @@ def test_faults_under_torchrun(pytester):
     # (rank 0 saw rank 1's process gone: it waited for nothing more from it)
     died = exited.index("rank 1 sent nothing: it died (its process exited")
     assert died < exited.index("--- rank 0 raised"), exited
-    assert ("No new process group can be made without every rank: rank 0: its launcher sent SIGTERM: "
-            "a rank on its node exited") in exited
+    # the same verdict whenever torchrun's SIGTERM reaches rank 0 (before, it raced the regroup)
+    assert "No new process group can be made without every rank: rank 1 exited." in exited, exited
     assert "linattn: a rank is gone after a failure in test_launched.py::test_fault[exit]" in text
     assert "linattn: 2 test(s) not run: a rank was gone after test_launched.py::test_fault[exit]" in text
     assert "NOT RUN test_launched.py::test_fault[exit:next]" in text
@@ -357,9 +357,12 @@ def test_first(spawn):
 
 
 def test_rank_one_exits_outside_a_call():
-    if dist.get_rank() == 1:
-        os._exit(3)
-    time.sleep(600)  # rank 0 is in no distributed call when its launcher's SIGTERM comes
+    if dist.get_rank() == 0:
+        open("rank0-is-here", "w").close()
+        time.sleep(600)  # rank 0 is in no distributed call when its launcher's SIGTERM comes
+    while not os.path.exists("rank0-is-here"):  # not before rank 0 is in this test
+        time.sleep(0.05)
+    os._exit(3)
 
 
 def test_after(spawn):
@@ -382,6 +385,34 @@ def test_rank_gone_between_calls_under_torchrun(pytester):
     # the sleep was cut short by the SIGTERM, not killed 30 s later by torchrun
     assert "Unable to shutdown process" not in text, text
     assert not no_leftovers(tag), "a rank outlived its torchrun"
+
+
+STOPPED_IN_TEARDOWN = r'''
+import pytest
+from pytest_linattn.ranks.launcher import LauncherStopped
+from pytest_linattn.spawn import LauncherStops
+
+
+def pytest_configure(config):  # as launcher mode registers it
+    config.pluginmanager.register(LauncherStops(), LauncherStops.name)
+
+
+@pytest.fixture
+def stopped_after():
+    yield
+    raise LauncherStopped("the launcher sent SIGTERM: a rank on this node exited")
+'''
+
+
+def test_a_launcher_stop_in_a_teardown_does_not_list_the_test_that_ran(pytester):
+    # The SIGTERM can come after a test's call was reported (its teardown): that test ran.
+    pytester.makeconftest(STOPPED_IN_TEARDOWN)
+    pytester.makepyfile(test_stop="def test_ran(stopped_after):\n    pass\n\n\ndef test_next():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:xdist", "-p", "no:randomly")
+    text = result.stdout.str()
+    assert "linattn: 1 test(s) not run: the launcher stopped this session after test_stop.py::test_ran" in text, text
+    assert "NOT RUN test_stop.py::test_next" in text and "NOT RUN test_stop.py::test_ran" not in text, text
+    assert "1 passed" in text, text
 
 
 # A child that prints its process_identity(), then reads its stdin to the end
