@@ -341,7 +341,8 @@ def spawn(request):
     gloo on a CPU, NCCL on GPUs with one GPU per rank (``--linattn-device``). A raising, dying or
     hanging rank (``--linattn-timeout``; ``spawn.timeout = 5`` for this test) fails the test with
     every rank's traceback or stack. Under torchrun (WORLD_SIZE set) fn runs on the launcher's
-    process group instead, world_size must be WORLD_SIZE, and every rank gets the gathered list."""
+    process group instead, world_size must be WORLD_SIZE, and every rank gets the gathered list.
+    Groups fn makes (``new_group``) are destroyed as the next call starts: make them in fn."""
     from .spawn import Spawn
 
     state = request.config.stash[_STATE]

@@ -36,7 +36,7 @@ from .launcher_recovery import (POLL, REBUILT, RETURNED, abort_story, agree_grou
 from .launcher_watchdog import FREE_WAIT, OVER_WAIT, STOPPED, Call, Watchdog
 from .reports import (BrokenGroup, BrokenTimeout, RankFailure, RankTimeout, call_name, describe_ranks,
                       raised_lines)
-from .worker import RANK_DEVICE_ENV, to_cpu
+from .worker import RANK_DEVICE_ENV, destroy_earlier_groups, to_cpu
 
 __all__ = ["BrokenGroup", "BrokenTimeout", "LauncherSession", "LauncherStopped", "launcher_rank",
            "launcher_world_size", "rank_place"]
@@ -215,6 +215,7 @@ class LauncherSession:
                              f"{self.world_size}: under torchrun, spawn can only use the "
                              f"launcher's world size")
         dist = self._ensure_group(device, timeout, ranks_per_gpu)
+        destroy_earlier_groups()  # every rank has finished the call before: see run's wait below
         self.calls += 1
         call = Call(self.calls, time.monotonic() + timeout, timeout)
         key = partial(self.key, call.number)
