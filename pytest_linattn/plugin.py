@@ -38,8 +38,8 @@ Markers: ``world_size(n)`` (the ranks a test needs: skipped on cuda without n GP
 ``suite(name)`` (the test's home suite), ``tp_sizes(*sizes)``, ``cp_sizes(*sizes)``,
 ``equivalent_mutant(site_or_function, mutation, reason=...)`` (pytest_linattn.mutation).
 
-The logic lives in plain modules (options, size_selection, pool, gpus, parity, seqlens, float64)
-and the parity records in one plugin object, ``parity_records.ParityRecorder``; this module only
+The logic lives in plain modules (options, markers, resources, size_selection, ranks, parity, seqlens, float64)
+and the parity records in one plugin object, ``parity.records.ParityRecorder``; this module only
 wires them into pytest.
 """
 from __future__ import annotations
@@ -51,11 +51,13 @@ import pytest
 from . import options as _opts
 from . import size_selection
 from .fla_hint import FlaOnCpuReport
-from .parity_records import ParityRecorder
+from .markers import MARKERS, skip_reason
+from .parity.records import ParityRecorder
+from .resources import SessionResources
 from .size_selection import SIZE_FIXTURES
 from .spawn import LauncherStops
 
-_STATE = pytest.StashKey["_State"]()
+_STATE = pytest.StashKey["SessionResources"]()
 
 
 def pytest_addoption(parser):
@@ -73,80 +75,6 @@ def option_value(config, key):
         raise pytest.UsageError(str(exc)) from None
 
 
-class _State:
-    """The session's resources: rank pools, the torchrun launcher, the autotune plan."""
-
-    def __init__(self, config):
-        self.config = config
-        self.manager = None
-        self.is_worker = hasattr(config, "workerinput")
-        self.autotune = None  # the applied pytest_linattn.autotune plan; None until session start
-        self.launcher = None  # pytest_linattn.launcher.LauncherSession under torchrun
-        self.size_notes = []  # lines for the terminal summary: sizes asked for but not run
-
-    def pools(self):
-        if self.manager is None:
-            from .ranks.pool import PoolManager
-
-            self.manager = PoolManager(option_value(self.config, "device"),
-                                       ranks_per_gpu=option_value(self.config, "ranks_per_gpu"))
-        return self.manager
-
-    def close(self):
-        if self.launcher is not None:
-            # Rank 0's report goes into the stream first: once it says it is over the other ranks
-            # exit, and torchrun logs into the same stream (and stops rank 0) from then on.
-            if self.config.pluginmanager.get_plugin("terminalreporter") is not None:
-                self.config.get_terminal_writer().flush()
-            self.launcher.finish()
-            if self.launcher.terminal_fd is not None:
-                os.close(self.launcher.terminal_fd)
-            self.launcher = None
-        if self.manager is not None:
-            self.manager.close()
-            self.manager = None
-        if self.autotune is not None:
-            from . import autotune
-
-            self.write_autotune_records()
-            autotune.restore()
-            self.autotune = None
-
-    def write_autotune_records(self):
-        """An xdist worker's autotune results, for suites/bench/dump_fla_configs.py: after every
-        test (a dump cut at its time limit kills the workers before their session closes)."""
-        from . import autotune
-
-        if self.autotune is not None and self.is_worker and os.environ.get(autotune.RECORDS_ENV):
-            autotune.write_rank_records(os.environ[autotune.RECORDS_ENV])
-
-    def apply_autotune(self):
-        """On CUDA, before any kernel and any pool: the autotune mode, in this process and (through
-        the environment) in every rank. Once per session; None on a CPU run."""
-        if self.autotune is None and self.runs_on_cuda():
-            from . import autotune
-
-            self.autotune = autotune.apply(option_value(self.config, "autotune"))
-        return self.autotune
-
-    def runs_on_cuda(self):
-        from .ranks.pool import resolve_device  # auto: cuda when a GPU is visible
-
-        return resolve_device(option_value(self.config, "device")) == "cuda"
-
-
-# The plugin's markers, one table (`pytest --markers` and the docs' reference read it).
-MARKERS = (
-    "world_size(n): the test runs n ranks; skipped on cuda with fewer than n GPUs (ceil(n / N) with "
-    "--linattn-ranks-per-gpu N)",
-    "gpus(n): skipped when the machine (or --linattn-device) has fewer than n GPUs (ceil(n / N) with "
-    "--linattn-ranks-per-gpu N)",
-    "suite(name): the test's home suite (suites/<name>), used by linattn-rerun",
-    "tp_sizes(*sizes): the tensor-parallel sizes the test supports; others are deselected",
-    "cp_sizes(*sizes): the context-parallel sizes the test supports; others are deselected",
-)
-
-
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config):
     for line in MARKERS:
@@ -154,7 +82,7 @@ def pytest_configure(config):
     from .mutation.recorder import MARKER, MutationRecorder
 
     config.addinivalue_line("markers", MARKER)
-    state = config.stash[_STATE] = _State(config)
+    state = config.stash[_STATE] = SessionResources(config, option_value)
     config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
     config.pluginmanager.register(FlaOnCpuReport(), "linattn-fla-on-cpu-report")  # header line; Triton's CPU error
     if state.is_worker and "OMP_NUM_THREADS" not in os.environ:
@@ -291,40 +219,14 @@ def cp_size(request) -> int:
 # markers that skip
 
 
-def _marker_int(marker) -> int:
-    value = marker.args[0] if marker.args else marker.kwargs.get("n", 1)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"@pytest.mark.{marker.name}: n must be a non-negative int, got {value!r}")
-    return value
-
-
-def _skip(reason):
-    __tracebackhide__ = True
-    # Reported at the test's location, as a skip mark would be, not at this line.
-    raise pytest.skip.Exception(reason, _use_item_location=True)
-
-
 def pytest_runtest_setup(item):
-    gpus = item.get_closest_marker("gpus")
-    world = item.get_closest_marker("world_size")
-    if gpus is not None or world is not None:
-        device = option_value(item.config, "device")
-        if gpus is not None and device == "cpu":
-            _skip(f"needs {_marker_int(gpus)} GPU(s); this run uses --linattn-device cpu")
-        if device != "cpu":
-            from .ranks.gpus import gpu_count, gpus_for
-
-            have = gpu_count()
-            per_gpu = option_value(item.config, "ranks_per_gpu")
-            shared = f" at {per_gpu} ranks per GPU" if per_gpu > 1 else ""
-            # gpus(n) and world_size(n): n ranks, on n GPUs, or fewer where ranks share them
-            if gpus is not None and have < gpus_for(_marker_int(gpus), per_gpu):
-                _skip(f"needs {gpus_for(_marker_int(gpus), per_gpu)} GPU(s) (gpus({_marker_int(gpus)}){shared}); "
-                      f"this machine has {have}")
-            # world_size(n) needs GPUs only when the ranks run on GPUs (auto with none: CPU).
-            if world is not None and (device == "cuda" or have > 0) and have < gpus_for(_marker_int(world), per_gpu):
-                _skip(f"needs {gpus_for(_marker_int(world), per_gpu)} GPU(s) (world_size({_marker_int(world)})"
-                      f"{shared}); this machine has {have}")
+    if item.get_closest_marker("gpus") is None and item.get_closest_marker("world_size") is None:
+        return
+    reason = skip_reason(item, option_value(item.config, "device"), option_value(item.config, "ranks_per_gpu"))
+    if reason is not None:
+        __tracebackhide__ = True
+        # Reported at the test's location, as a skip mark would be, not at this line.
+        raise pytest.skip.Exception(reason, _use_item_location=True)
 
 
 # ----------------------------------------------------------------------------------------------

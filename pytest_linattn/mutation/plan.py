@@ -153,7 +153,7 @@ def run_mutants(run_test: Callable[[], None], mutants: list[dict], *,
     """Run the test once per mutant; each mutant's dict with its outcome, detail and seconds.
     Parity records a mutant run makes (wherever assert_parity ran) are dropped: they are not
     the test's."""
-    parity = sys.modules.get("pytest_linattn.parity")
+    parity = sys.modules.get("pytest_linattn.parity.check")
     keep = len(parity.RECORDS) if parity is not None else 0
     results = []
     for i, mutant in enumerate(mutants):
@@ -168,7 +168,7 @@ def run_mutants(run_test: Callable[[], None], mutants: list[dict], *,
                 if type(exc).__name__ == "Exit":  # pytest.exit
                     raise
                 error = exc
-        parity = sys.modules.get("pytest_linattn.parity")
+        parity = sys.modules.get("pytest_linattn.parity.check")
         if parity is not None:
             del parity.RECORDS[keep:]
         outcome, detail = classify(error)

@@ -2,7 +2,7 @@
 reruns the test once per mutant (`plan`), writes a progress line, and at the end prints the
 session table, writes ``collective-mutants.json`` into ``--linattn-report DIR`` and makes the
 session fail when a mutant survived. Under xdist a worker sends its results with the test's
-report and the controller reports them (as `pytest_linattn.parity_records` does)."""
+report and the controller reports them (as `pytest_linattn.parity.records` does)."""
 from __future__ import annotations
 
 import contextlib
@@ -89,7 +89,7 @@ class MutationRecorder:
     def pytest_runtest_makereport(self, item, call):
         rep = yield
         if call.when == "call" and item.nodeid in self.pending:
-            from ..parity_records import to_plain_data
+            from ..parity.records import to_plain_data
 
             rep.linattn_mutants = to_plain_data(self.pending.pop(item.nodeid))
         return rep

@@ -36,7 +36,8 @@ from .launcher_recovery import (POLL, REBUILT, RETURNED, abort_story, agree_grou
 from .launcher_watchdog import FREE_WAIT, OVER_WAIT, STOPPED, Call, Watchdog
 from .reports import (BrokenGroup, BrokenTimeout, RankFailure, RankTimeout, call_name, describe_ranks,
                       raised_lines)
-from .worker import RANK_DEVICE_ENV, destroy_earlier_groups, to_cpu
+from .groups import destroy_earlier_groups
+from .worker import RANK_DEVICE_ENV, to_cpu
 
 __all__ = ["BrokenGroup", "BrokenTimeout", "LauncherSession", "LauncherStopped", "launcher_rank",
            "launcher_world_size", "rank_place"]

@@ -28,18 +28,17 @@ import datetime
 import multiprocessing
 import multiprocessing.connection
 import os
-import pickle
 import shutil
 import signal
 import sys
 import tempfile
 import time
-import traceback
 from typing import Any, Callable
 
 from . import reports, servers
 from .gpus import GpuLease, NotEnoughGpus, gpu_count, gpus_for, rank_gpus, sharing_note
 from ..options import DEFAULT_TIMEOUT, DEVICES, parse_device, parse_timeout
+from .replies import gather_replies
 from .reports import FAILURE_GRACE, RankFailure, RankTimeout
 from .worker import add_rank_records, rank_main, task_message, to_cpu
 
@@ -269,80 +268,24 @@ class Pool:
 
     def _collect(self, timeout: float, what: str) -> list:
         """One reply per rank; on any failure kills the pool and raises with every rank's story."""
-        start = time.monotonic()
-        deadline = start + timeout
-        replies: dict[int, tuple] = {}
-        records: dict[int, list] = {}
-        calls: dict[int, list] = {}  # rank -> the collectives it recorded (pytest_linattn.mutation)
-        errors: dict[int, str] = {}
-        deaths: dict[int, int | None] = {}
-        blocked: dict[int, str] = {}  # rank -> the torch.distributed function it is blocked in
-        failed_at = None
-        pending = set(range(self.world_size))
-        while pending:
-            now = time.monotonic()
-            if now >= deadline:
-                break
-            waitables = {}
-            for r in pending:
-                waitables[self.conns[r]] = r
-                waitables[self.procs[r].sentinel] = r
-            ready = multiprocessing.connection.wait(list(waitables), deadline - now)
-            for r in sorted({waitables[w] for w in ready}):
-                if r not in pending:
-                    continue
-                conn = self.conns[r]
-                reply = None
-                eof = False
-                try:
-                    if conn.poll():
-                        reply = pickle.loads(conn.recv_bytes())
-                except (EOFError, OSError):
-                    eof = True
-                except Exception:
-                    reply = ("error", "the parent could not unpickle this rank's return value:\n"
-                             + traceback.format_exc())
-                if reply is None:
-                    if self.procs[r].is_alive() and not eof:
-                        continue  # spurious wakeup
-                    self.procs[r].join(2.0)  # a closed pipe means the rank is going away
-                    deaths[r] = self.procs[r].exitcode
-                    pending.discard(r)
-                    continue
-                if reply[0] == "blocked":  # in torch.distributed: pytest_linattn.ranks.blocked
-                    blocked[r] = reply[1]
-                    continue
-                pending.discard(r)
-                if len(reply) > 2 and reply[2]:
-                    records[r] = reply[2]
-                if len(reply) > 3 and reply[3] is not None:
-                    calls[r] = reply[3]
-                if reply[0] == "error":
-                    errors[r] = reply[1]
-                else:
-                    replies[r] = reply
-            if (errors or deaths) and failed_at is None:
-                failed_at = time.monotonic()
-                deadline = min(deadline, failed_at + FAILURE_GRACE)
-            if (errors or deaths) and pending <= set(blocked):
-                break  # every rank still out waits in torch.distributed: no grace helps
-        if records:
-            add_rank_records(records)
-        if calls:
+        got = gather_replies(self.procs, self.conns, timeout, grace=FAILURE_GRACE)
+        if got.records:
+            add_rank_records(got.records)
+        if got.calls:
             from ..mutation.plan import calls_returned
 
-            calls_returned(calls)
-        if not pending and not errors and not deaths:
-            return [replies[r] for r in range(self.world_size)]
+            calls_returned(got.calls)
+        if got.complete:
+            return [got.values[r] for r in range(self.world_size)]
         self.broken = True
-        live = {r: p for r, p in enumerate(self.procs) if r not in deaths}
+        live = {r: p for r, p in enumerate(self.procs) if r not in got.deaths}
         stacks = reports.dump_stacks(live, self._dump_paths)
         # before kill() removes the files
-        fatal = {r: reports.read_dump(self._dump_paths[r], self._dump_offsets[r]) for r in deaths}
+        fatal = {r: reports.read_dump(self._dump_paths[r], self._dump_offsets[r]) for r in got.deaths}
         self.kill()
         raise reports.pool_failure(what, timeout, self.world_size, [p.pid for p in self.procs],
-                                        pending=pending, errors=errors, deaths=deaths, fatal=fatal,
-                                        stacks=stacks, blocked=blocked)
+                                   pending=got.pending, errors=got.errors, deaths=got.deaths, fatal=fatal,
+                                   stacks=stacks, blocked=got.blocked)
 
 
 class PoolManager:

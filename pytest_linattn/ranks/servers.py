@@ -35,7 +35,7 @@ __all__ = ["Starter", "can_preload_fla", "close_servers", "detach_from_server", 
            "preloaded_server", "process_uses_fla", "starter"]
 
 BASE_PRELOAD = ("torch", "torch.distributed", "pytest", "pytest_linattn", "pytest_linattn.ranks.worker",
-                "pytest_linattn.autotune", "pytest_linattn.parity", "linattn", "linattn.layers",
+                "pytest_linattn.autotune", "pytest_linattn.parity.check", "linattn", "linattn.layers",
                 "linattn.parallel", "linattn.reference")
 FLA_PRELOAD = BASE_PRELOAD + ("fla", "linattn.emulation")
 # read by the preloaded modules when imported: a server started under other values is stale

@@ -7,8 +7,8 @@ by reference (module + name); the parent's ``sys.path``, which the rank mirrors 
 modes edit it during collection); and the files of the modules they come from, so a rank can
 load a module pytest imported outside ``sys.path`` (``--import-mode=importlib``). The answer is
 (status, value or traceback, the parity records made on this rank, see `add_rank_records`).
-Process groups live for one call: the next call destroys every group but the world's
-(`destroy_earlier_groups`), so a test makes its groups in the function spawn runs.
+As a call starts, the groups earlier calls made that nothing holds are destroyed
+(`pytest_linattn.ranks.groups`): a test makes its groups in the function spawn runs.
 
 faulthandler writes this rank's stack to its dump file on SIGUSR1 (a hang) and on a fatal signal;
 `trim_stack` hides this module's frames in that dump, the parent reads it (reports).
@@ -33,9 +33,10 @@ import traceback
 import types
 
 from .blocked import BlockedLook
+from .groups import destroy_earlier_groups
 
-__all__ = ["RANK_DEVICE_ENV", "add_rank_records", "destroy_earlier_groups", "rank_main",
-           "set_parent_death_signal", "task_message", "to_cpu", "trim_stack"]
+__all__ = ["RANK_DEVICE_ENV", "add_rank_records", "rank_main", "set_parent_death_signal", "task_message", "to_cpu",
+           "trim_stack"]
 
 RANK_DEVICE_ENV = "LINATTN_RANK_DEVICE"  # cpu | cuda: where this rank computes (set by the pool and the launcher)
 _PARENT_POLL = 0.5
@@ -140,7 +141,7 @@ class _FileAwareUnpickler(pickle.Unpickler):
 
 
 def _take_parity_records() -> list:
-    parity = sys.modules.get("pytest_linattn.parity")
+    parity = sys.modules.get("pytest_linattn.parity.check")
     if parity is None or not parity.RECORDS:
         return []
     records = list(parity.RECORDS)
@@ -151,7 +152,7 @@ def _take_parity_records() -> list:
 def add_rank_records(records: dict[int, list]) -> None:
     """In the parent: the records of each rank's reply (rank -> records) join parity.RECORDS."""
     try:
-        from .. import parity
+        from ..parity import check as parity
     except Exception:  # pragma: no cover - parity needs torch, which the ranks had
         return
     test = parity.current_test()
@@ -253,51 +254,6 @@ def _take_collective_calls() -> list | None:
 def _run_task(msg: bytes) -> tuple:
     status, value = _run_task_inner(msg)
     return status, value, _take_parity_records(), _take_collective_calls()
-
-
-# torch's records of its process groups (torch.distributed.distributed_c10d._world): the
-# references to a group that are not its users'
-_C10D_RECORDS = ("pg_map", "pg_names", "pg_group_ranks", "pg_backend_config", "pg_to_tag", "pg_coalesce_state",
-                 "tags_to_pg")
-
-
-def destroy_earlier_groups() -> None:
-    """Destroy the process groups earlier calls made that nothing holds any more (each call
-    makes its own; a test's cache of its groups keeps them). A gloo group holds three threads
-    until it is destroyed: a pool's ranks gathered thousands over a session (collective mutants
-    rerun a test's calls dozens of times), and their wake-ups slowed every rank. Run as a call
-    starts: every rank has finished the call before (a rank that destroyed its groups as it
-    returned could close a connection a slower peer still reads from)."""
-    import torch.distributed as dist
-    from torch.distributed import distributed_c10d as c10d
-
-    if not dist.is_initialized():
-        return
-    # only the records that are the same object at every read (a copy holds no reference)
-    records = []
-    for name in _C10D_RECORDS:
-        record = getattr(c10d._world, name, None)
-        if isinstance(record, dict) and record is getattr(c10d._world, name, None):
-            records.append(record)
-    world = c10d._get_default_group()
-    for group in [g for g in list(c10d._world.pg_map) if g is not world]:
-        # beyond torch's records: the list above, `group`, and getrefcount's argument
-        if sys.getrefcount(group) - _references_in(records, group) > 3:
-            continue  # held by the test's code
-        try:
-            dist.destroy_process_group(group)
-        except Exception:
-            pass  # already torn down (NCCL after an error): its threads are gone with it
-
-
-def _references_in(records, group) -> int:
-    count = 0
-    for record in records:
-        for key, value in record.items():
-            count += (key is group) + (value is group)
-            if isinstance(value, (list, tuple)):
-                count += sum(item is group for item in value)
-    return count
 
 
 def _run_task_inner(msg: bytes) -> tuple:

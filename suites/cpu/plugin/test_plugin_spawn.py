@@ -219,7 +219,7 @@ def test_spawn_results_and_contained_failures(pytester, monkeypatch):
     parity = text.split("test_parity_failure_shows_no_library_frames ___", 1)[1]
     parity = parity.split("\n", 1)[1].split("\n_", 1)[0].split("\n- generated", 1)[0]
     assert "assert_parity(x + 1, x" in parity and "def assert_parity" not in parity, parity
-    assert "pytest_linattn/parity.py" not in parity, parity
+    assert "pytest_linattn/parity/" not in parity, parity
     # Which path each failure took, the reports say; neither waited for the call's timeout, nor
     # the first for its grace (both LONG_WAIT there), nor the second for rank 0's hour of sleep.
     durations = junit_durations(junit)
@@ -420,7 +420,6 @@ def test_on_ranks(spawn):
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*rank 1 failed*", "*2 check(s), 1 failed*",
                                  "*test_rank_parity.py::test_on_ranks*rank1:h*FAIL*"])
-
 
 
 _KEPT_GROUPS = {}  # on the ranks: a group a test keeps across its calls

@@ -1,6 +1,6 @@
 """The session's parity records, wherever `assert_parity` ran, and the summary and report of them.
 
-A check records in the process that makes it: the test process (`pytest_linattn.parity.RECORDS`)
+A check records in the process that makes it: the test process (`pytest_linattn.parity.check.RECORDS`)
 or a rank of spawn's pool, whose records the pool adds to its caller's RECORDS. Under xdist
 that caller is a worker: it sends its new records with each test report and the controller
 collects them. `ParityRecorder` holds that state as one plugin object (as xdist's DSession
@@ -14,14 +14,14 @@ import sys
 
 import pytest
 
-from . import options
+from .. import options
 
 __all__ = ["ParityRecorder", "to_plain_data"]
 
 
 def _loaded_parity():
     # Only when a test imported it: runs that never compare tensors never import torch for it.
-    return sys.modules.get("pytest_linattn.parity")
+    return sys.modules.get("pytest_linattn.parity.check")
 
 
 def to_plain_data(obj):
@@ -107,10 +107,10 @@ class ParityRecorder:
         directory = options.read_value(self.config, "report")
         if self.is_worker or not directory:
             return
-        from . import parity_report  # the writer is needed even when no test compared anything
+        from . import report  # the writer is needed even when no test compared anything
 
         try:
-            self.report_paths = parity_report.write_report(self.records(), directory, notes=self.report_notes)
+            self.report_paths = report.write_report(self.records(), directory, notes=self.report_notes)
         except Exception as exc:  # noqa: BLE001 - a report file must never hide the test failures
             self.report_notes.append(f"linattn report not written: {exc!r}")
 
@@ -120,7 +120,7 @@ class ParityRecorder:
             return
         records = self.records()
         if records:
-            from .parity_report import format_summary
+            from .report import format_summary
 
             text = format_summary(records)
             if text:

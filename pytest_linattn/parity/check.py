@@ -11,7 +11,7 @@ feature of `[1, T, hidden]`) when `cu_seqlens` is given, with the ranks holding 
 Every compared tensor also appends a record to the module-level `RECORDS` list; the pytest
 plugin prints `format_summary(RECORDS)` at the end of the run and can `write_report` them as
 JSON plus one error heatmap (token × head or feature) per failure (both in
-`pytest_linattn.parity_report`, importable from here). This module imports no pytest.
+`pytest_linattn.parity.report`, importable from here). This module imports no pytest.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from contextlib import contextmanager
 
 import torch
 
-from .parity_report import format_number, format_summary, format_table, write_report
-from .seqlens import cu_seqlens_bounds
+from ..seqlens import cu_seqlens_bounds
+from .report import format_number, format_summary, format_table, write_report
 
 __all__ = ["RECORDS", "assert_parity", "capture_records", "current_test", "format_summary", "set_current_test",
            "write_report"]

@@ -2,7 +2,7 @@
 
 `format_summary(records)` is the table the plugin prints at the end of a run; `write_report`
 writes every record as JSON plus one error heatmap (token × head or feature) per failure. The
-records are `pytest_linattn.parity`'s. This module imports no pytest and no torch.
+records are `pytest_linattn.parity.check`'s. This module imports no pytest and no torch.
 """
 
 from __future__ import annotations
