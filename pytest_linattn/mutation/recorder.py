@@ -43,7 +43,14 @@ class MutationRecorder:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
+        from ..harness.reruns import keep_references
+
         rules = self._rules(item)  # a bad marker fails before the test runs
+        with keep_references():  # the test process's references, the same in every rerun
+            result = yield from self._run_with_mutants(item, rules)
+        return result
+
+    def _run_with_mutants(self, item, rules):
         with plan.recording() as clean:
             result = yield  # the test failed: nothing to mutate
         if not clean.calls:

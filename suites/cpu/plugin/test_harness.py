@@ -352,3 +352,49 @@ def build_lambda_free(placement, groups, dtype, device):
 def test_bad_input_raises_value_error(make, rule):
     with pytest.raises(ValueError, match=rule):
         make()
+
+
+# ---- reruns of a test (collective mutants) reuse its references ----------------------------------
+
+
+class CountingToyMixer(ToyMixer):
+    forwards = 0
+
+    def forward(self, x, cu_seqlens):
+        CountingToyMixer.forwards += 1
+        return super().forward(x, cu_seqlens)
+
+
+def counting_reference(seed=0):
+    torch.manual_seed(seed)
+    ref = CountingToyMixer()
+    with torch.no_grad():
+        ref.gain.copy_(1 + 0.2 * torch.randn(DIM, dtype=torch.float64))
+    return ref
+
+
+def test_reruns_compute_each_reference_once_and_anew_when_it_changes(spawn):
+    from pytest_linattn.harness.reruns import keep_references
+
+    def check(ref, seed=3):
+        with capture_records():
+            assert_sharded_parity(spawn, toy_client(), ref, [Placement(tp=2)], CU, hidden_size=DIM, seed=seed,
+                                  rtol=RTOL, name="toy")
+
+    CountingToyMixer.forwards = 0
+    check(counting_reference())
+    check(counting_reference())
+    assert CountingToyMixer.forwards == 2  # outside reruns: every call computes
+    CountingToyMixer.forwards = 0
+    with keep_references():
+        check(counting_reference())
+        check(counting_reference())  # a rerun: new objects, the same weights and inputs
+        assert CountingToyMixer.forwards == 1
+        check(counting_reference(seed=1))  # other weights
+        check(counting_reference(), seed=4)  # other inputs
+        assert CountingToyMixer.forwards == 3
+    # a planted bug is still caught inside a rerun block, from the kept reference
+    with keep_references(), pytest.raises(AssertionError, match="parity failed"):
+        with capture_records():
+            assert_sharded_parity(spawn, toy_client("swapped_rows"), counting_reference(), [Placement(tp=2)], CU,
+                                  hidden_size=DIM, seed=3, rtol=RTOL, name="toy")
