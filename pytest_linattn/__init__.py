@@ -12,7 +12,8 @@ from __future__ import annotations
 pytest_plugins = ["pytest_linattn.plugin"]
 
 __all__ = ["assert_parity", "Placement", "ShardedLayer", "ParityCase", "assert_sharded_parity", "assert_parity_cases",
-           "TrainingStep", "assert_training_parity", "StatePath", "SequencePlan", "assert_continuation_parity"]
+           "TrainingStep", "assert_training_parity", "StatePath", "SequencePlan", "assert_continuation_parity",
+           "StateInvisibleWarning"]
 
 # name -> the plain module that defines it
 _LAZY = {"assert_parity": "parity", **{n: "harness" for n in __all__[1:]}}

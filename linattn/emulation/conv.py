@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from linattn.emulation.patching import compute_dtype, refuse
+from linattn.emulation.patching import check_packing, compute_dtype, refuse
 from linattn.kernels._short_conv import _int32_sequence_ids
 from linattn.reference import short_conv as reference_short_conv
 
@@ -205,6 +205,8 @@ def causal_conv1d(
         raise ValueError(f"Unsupported backend: {backend}")
     if kwargs.get("seq_idx") is not None:
         _check_seq_idx(name, kwargs["seq_idx"], cu_seqlens, x.shape[1])
+    if cp_context is None:  # under CP cu_seqlens is the whole batch's, x this rank's piece
+        check_packing(name, x, cu_seqlens)
     shape = x.shape
     if x.shape[-1] != weight.shape[0]:
         x = x.flatten(2)  # [B, T, H, K] -> [B, T, H*K], as fla

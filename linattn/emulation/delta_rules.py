@@ -38,7 +38,7 @@ from linattn import reference
 from linattn.kernels import log_decay
 from linattn.parallel import cp as parallel_cp
 
-from .patching import compute_dtype, refuse
+from .patching import check_packing, compute_dtype, refuse
 
 SAFE_GATE_LOWEST = -5.0  # fla's safe range for bounded gates is [-5, 0)
 
@@ -86,7 +86,8 @@ def chunk_gated_delta_rule(
         g = log_decay(g, A_log, dt_bias, per_channel=False)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(reference.gated_delta_rule, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype)
+                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype,
+                "chunk_gated_delta_rule")
 
 
 def fused_recurrent_gated_delta_rule(
@@ -136,7 +137,8 @@ def fused_recurrent_gated_delta_rule(
     else:  # the head's decay and the channels' multiply: one per-channel log decay
         op, decay = reference.kda, (gk if g is None else gk + g.unsqueeze(-1))
     return _run(op, "recurrent", q, k, v, decay, beta, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, None, o_dtype, state_dtype)
+                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, None, o_dtype, state_dtype,
+                "fused_recurrent_gated_delta_rule")
 
 
 def chunk_kda(
@@ -199,7 +201,8 @@ def chunk_kda(
         _check_bounded_gate(g, lower_bound)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(reference.kda, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype)
+                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype,
+                "chunk_kda")
 
 
 def fused_recurrent_kda(
@@ -237,7 +240,8 @@ def fused_recurrent_kda(
         g = log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(reference.kda, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
-                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, None, o_dtype, state_dtype)
+                use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, None, o_dtype, state_dtype,
+                "fused_recurrent_kda")
 
 
 def fused_kda_gate(
@@ -278,8 +282,10 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None 
 
 
 def _run(op, mode, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-         state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype):
+         state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype, function):
     """The recurrence on inputs already in the compute dtype, gates and beta applied; fla's returns."""
+    if cp_context is None:  # under CP cu_seqlens is the whole batch's, q this rank's piece
+        check_packing(function, q, cu_seqlens, name="q")
     if cp_context is not None:
         from .cp import piece_context
 

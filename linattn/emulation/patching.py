@@ -175,3 +175,18 @@ def fla_on_cpu(compute_dtype: torch.dtype = torch.float64):
 def refuse(function: str, argument: str, value, why: str = "is not emulated") -> None:
     """Raise NotImplementedError for an argument value the emulation does not implement."""
     raise NotImplementedError(f"fla_on_cpu: {function}({argument}={value!r}) {why}")
+
+
+def check_packing(function: str, x: torch.Tensor, cu_seqlens, name: str = "x") -> None:
+    """ValueError unless `cu_seqlens` packs `x` `[1, T, ...]`: cu_seqlens[-1] == T (fla's varlen
+    layout: every sequence on the token dim of one batch row). None packs nothing: no check."""
+    if cu_seqlens is None:
+        return
+    T = x.shape[1]
+    end = int(cu_seqlens[-1])
+    if x.shape[0] != 1:
+        raise ValueError(f"fla_on_cpu: {function}: cu_seqlens needs {name} packed as one batch row [1, T, ...], "
+                         f"got {name} of shape {tuple(x.shape)}")
+    if end != T:
+        raise ValueError(f"fla_on_cpu: {function}: cu_seqlens[-1] = {end} must equal T = {T}, the token count of "
+                         f"{name} {tuple(x.shape)} (cu_seqlens = {cu_seqlens.tolist()})")

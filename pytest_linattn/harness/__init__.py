@@ -12,15 +12,22 @@ pytest:
     training_step_rank   ... and what each rank runs
     continuation         chunked prefill and decode against one full forward (`StatePath`,
                          `assert_continuation_parity`): the test process's side
+    continuation_plans   ... where it cuts the sequences, and the calls
+    continuation_report  ... its comparisons and reports
     continuation_rank    ... and what each rank runs
+    state_pool           the same calls against a pool of state slots, padded decode batches,
+                         freed and reused slots (`StatePoolPath`, `assert_state_pool_parity`)
+    state_pool_rank      ... and what each rank runs
 """
 
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
-from .continuation import SequencePlan, assert_continuation_parity, plan_cuts
+from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
+from .state_pool import StatePoolPath, assert_state_pool_parity
 from .training_step import assert_training_parity
 
-__all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StatePath", "TrainingStep",
-           "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity", "assert_training_parity",
-           "default_process_groups", "plan_cuts", "rank_token_index"]
+__all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StateInvisibleWarning", "StatePath",
+           "StatePoolPath", "assert_state_pool_parity",
+           "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
+           "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

@@ -17,7 +17,16 @@ from linattn.checks import positive_int
 from ..parity import check_rtol
 from .placement import Placement, as_cu_seqlens, check_fits, default_process_groups
 
-__all__ = ["ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer"]
+__all__ = ["DECODE_LAYOUTS", "ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer"]
+
+# how a decode call lays out its N tokens (one per sequence), input and output alike
+DECODE_LAYOUTS = {
+    "packed": "[1, N, hidden]: the N tokens side by side on the token dim, as a prefill call packs them (linattn's step)",
+    "batched": "[N, 1, hidden]: one batch row per sequence (fla's and transformers' decode)",
+}
+
+# a required field placed before optional ones (`shard` is positional, `unshard` after it optional)
+_REQUIRED = object()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -35,9 +44,11 @@ class ShardedLayer:
         those) from the replicated layer's weights (named as the reference's parameters).
         None: `build` already gives the module the reference's weights (both loaded from one
         checkpoint, say), and the harness loads nothing.
-    unshard(local_grads, placement) -> dict
+    unshard(local_grads, placement) -> dict, or None
         The replicated layer's gradient dict (reference names) from the TP ranks' gradient
         dicts, in TP rank order (each already summed over CP; see the module's gradient rule).
+        Needed by the parity harness and the training-step check; the continuation check
+        compares states and input gradients only, and takes None.
     replicated
         Names of the built module's parameters that every TP rank holds whole: their gradients
         must be equal on every TP rank after `after_backward`.
@@ -57,8 +68,8 @@ class ShardedLayer:
     """
 
     build: Callable
-    shard: Callable | None
-    unshard: Callable
+    shard: Callable | None = _REQUIRED
+    unshard: Callable | None = None
     replicated: Collection[str] = frozenset()
     process_groups: Callable = default_process_groups
     forward: Callable | None = None
@@ -66,10 +77,13 @@ class ShardedLayer:
     describe_grad_element: Callable | None = None
 
     def __post_init__(self):
-        for field in ("build", "unshard", "process_groups"):
+        if self.shard is _REQUIRED:
+            raise ValueError("ShardedLayer.shard is required: a callable, or None when build already loads the "
+                             "reference's weights")
+        for field in ("build", "process_groups"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"ShardedLayer.{field} must be callable, got {getattr(self, field)!r}")
-        for field in ("shard", "forward", "after_backward", "describe_grad_element"):
+        for field in ("shard", "unshard", "forward", "after_backward", "describe_grad_element"):
             if getattr(self, field) is not None and not callable(getattr(self, field)):
                 raise ValueError(f"ShardedLayer.{field} must be callable or None, got {getattr(self, field)!r}")
         if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
@@ -79,6 +93,13 @@ class ShardedLayer:
             pickle.dumps(self)
         except Exception as exc:  # noqa: BLE001 - reported as bad input
             raise ValueError(f"ShardedLayer's callables must be module-level (spawn pickles them by reference): {exc}") from None
+
+    def require_unshard(self, check: str) -> None:
+        """ValueError unless `unshard` is given: `check` compares parameter gradients."""
+        __tracebackhide__ = True
+        if self.unshard is None:
+            raise ValueError(f"ShardedLayer.unshard is required by {check}: it puts the TP ranks' parameter gradients "
+                             "back together as the replicated layer's (only the continuation check runs without it)")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -108,6 +129,7 @@ class ParityCase:
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
             raise ValueError(f"ParityCase.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        self.layer.require_unshard("the parity harness (ParityCase.layer)")
         if not isinstance(self.placement, Placement):
             raise ValueError(f"ParityCase.placement must be a Placement, got {type(self.placement).__name__}")
         if not isinstance(self.reference, torch.nn.Module):
@@ -201,15 +223,17 @@ class StatePath:
     (conv state, recurrent state, ...); the state the client's calls take and return, in the
     client's layout. Every call gets the rows of the sequences it runs, in their order.
 
-    layer: the ShardedLayer (build, shard, process_groups; its unshard is not used here).
+    layer: the ShardedLayer (build, shard, process_groups; its unshard is not used here and may be None).
     prefill(module, x_local, cu_seqlens, state, placement) -> (y_local, state)
         One chunk of every sequence of a packed call from `state`: x_local the rank's tokens
         `[1, T_local, hidden]` (under CP its contiguous piece of the call), cu_seqlens the call's
         whole boundaries; returns the rank's outputs and every sequence's state after its chunk
         (whole on every CP rank). Default `module(x_local, cu_seqlens, state, output_final_state=True)`.
     decode(module, x, state, placement) -> (y, state)
-        One decode step: x `[1, N, hidden]`, the next token of each of N sequences, on every rank
-        (no CP split). Default `module.step(x, state)`.
+        One decode step: x the next token of each of N sequences, laid out as `decode_layout`
+        says (y likewise), on every rank (no CP split). Default `module.step(x, state)`.
+    decode_layout: "packed" (x `[1, N, hidden]`, the default) or "batched" (x `[N, 1, hidden]`,
+        fla's and transformers' decode).
     shard_state(state, placement, tp_rank) -> state
         The TP rank's part of the replicated layer's state (the heads it holds). Needed for tp > 1.
     unshard_state(states, placement) -> state
@@ -227,10 +251,14 @@ class StatePath:
     unshard_state: Callable | None = None
     differentiable: bool = True
     no_decode: bool = False
+    decode_layout: str = "packed"
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
             raise ValueError(f"StatePath.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        if self.decode_layout not in DECODE_LAYOUTS:
+            raise ValueError(f"StatePath.decode_layout must be one of {sorted(DECODE_LAYOUTS)} "
+                             f"({'; '.join(f'{k}: {v}' for k, v in DECODE_LAYOUTS.items())}), got {self.decode_layout!r}")
         for field in ("prefill", "decode", "shard_state", "unshard_state"):
             if getattr(self, field) is not None and not callable(getattr(self, field)):
                 raise ValueError(f"StatePath.{field} must be callable or None, got {getattr(self, field)!r}")

@@ -10,7 +10,7 @@ import dataclasses
 
 import torch
 
-from .cases import StatePath
+from .cases import DECODE_LAYOUTS, StatePath
 from .placement import Placement
 from .sharded_parity_rank import load_shard, run_device
 
@@ -56,6 +56,18 @@ def _default_decode(module, x, state, placement):
     return module.step(x, state)
 
 
+def _decode_in_layout(decode, module, x, state, placement, layout):
+    """One decode step with its N tokens `[1, N, hidden]` laid out as the client declared
+    (StatePath.decode_layout), its output back as `[1, N, hidden]`."""
+    batched = layout == "batched"
+    x_in = x.transpose(0, 1) if batched else x
+    y, new = decode(module, x_in, state, placement)
+    if tuple(y.shape[:2]) != tuple(x_in.shape[:2]):
+        raise ValueError(f"StatePath.decode returned y of shape {tuple(y.shape)} for x of shape {tuple(x_in.shape)}: "
+                         f"decode_layout {layout!r} ({DECODE_LAYOUTS[layout]}) lays out y as x")
+    return (y.transpose(0, 1) if batched else y), new
+
+
 def _rebuild(like, fields):
     return type(like)(*fields) if hasattr(like, "_fields") else type(like)(fields)
 
@@ -99,7 +111,7 @@ def run_continuation_on_rank(case: RankContinuation) -> dict:
             state = _rebuild(h0, leaves)
             tokens = call.tokens
             if call.kind == "decode":
-                y, new = decode(module, x[:, tokens], state, p)
+                y, new = _decode_in_layout(decode, module, x[:, tokens], state, p, path.decode_layout)
                 held = tokens
                 decoded[tokens] = True
             else:

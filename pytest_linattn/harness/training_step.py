@@ -68,6 +68,7 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
     rtol = check_rtol(rtol)
     if not isinstance(layer, ShardedLayer):
         raise ValueError(f"layer must be a ShardedLayer, got {type(layer).__name__}")
+    layer.require_unshard("the training-step check (assert_training_parity)")
     if not isinstance(reference, torch.nn.Module):
         raise ValueError(f"reference must be a torch.nn.Module, got {type(reference).__name__}")
     if not isinstance(step, TrainingStep):

@@ -410,3 +410,14 @@ def test_cp_conv_matches_single_process(fla_on_cpu, spawn):
                         got = result["fields"][key]
                         same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
                         assert same, f"{label} rank {group_rank}: {key} = {got}, fla computes {value}"
+
+
+@pytest.mark.parametrize("with_state", [True, False], ids=["initial-state", "no-state"])
+def test_conv_cu_seqlens_not_ending_at_the_token_count_is_refused_naming_both(with_state):
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(1, 21, 16, generator=gen, dtype=F64)
+    w = torch.randn(16, 4, generator=gen, dtype=F64)
+    h0 = torch.randn(2, 16, 4, generator=gen, dtype=F64) if with_state else None
+    with pytest.raises(ValueError, match=r"causal_conv1d: cu_seqlens\[-1\] = 23 must equal T = 21, the token count "
+                                         r"of x \(1, 21, 16\)"):
+        conv.causal_conv1d(x, w, initial_state=h0, output_final_state=True, cu_seqlens=torch.tensor([0, 10, 23]))

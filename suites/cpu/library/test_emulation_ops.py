@@ -284,6 +284,15 @@ def test_unsupported_values_are_refused(case):
     assert f"{function}({argument}=" in message and value in message, message
 
 
+@pytest.mark.parametrize("op_name", OPS)
+def test_cu_seqlens_not_ending_at_the_token_count_is_refused_naming_both(op_name):
+    x, cu = packed_inputs(132, per_channel=op_name.endswith("kda"))
+    T, longer = int(cu[-1]), torch.cat([cu[:-1], cu[-1:] + 2])
+    with pytest.raises(ValueError, match=rf"{op_name}: cu_seqlens\[-1\] = {T + 2} must equal T = {T}, the token "
+                                         r"count of q \(1, "):
+        emulated_call(op_name, x, longer, {})
+
+
 def test_fla_checks_are_mirrored():
     x, cu = packed_inputs(130, per_channel=True)
     y, _ = packed_inputs(131, per_channel=False)

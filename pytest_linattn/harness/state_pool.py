@@ -1,0 +1,253 @@
+"""The state-pool mode of the continuation check: states live in a pool of slots, as a serving
+engine keeps them, and every call names each sequence's slot.
+
+Sequences arrive in order and take the lowest free slot (at most `max_live` at once); each step
+runs one prefill call (the next chunk of every live sequence that still has chunks; a sequence's
+first chunk is marked fresh: the client starts it from zero, whatever its slot holds) and one
+decode call (the next token of every live sequence in its decode phase). A decode call is padded
+to the next captured batch size with padding rows, as a CUDA-graph replay pads it: the padding
+rows point in turn at a sentinel (-1), at slot 0, and at a free slot, and carry random inputs.
+A finished sequence frees its slot, which the next waiting sequence takes. The pool starts
+filled with random values, never zeros: a slot read without a reset, or written by a call that
+did not schedule it, shows.
+
+After every call, each live slot the call did not schedule must be bitwise unchanged (on every
+rank); every token's output and every sequence's final state (its slot when it finishes) must
+match one float64 full forward of the replicated layer from zero states, within rtol. A failure
+names the call, the slot, the sequence and the token. TP placements only (the decode batch runs
+whole on every rank); no gradients (serving). This module imports no pytest.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import math
+import pickle
+from collections.abc import Callable, Sequence
+
+import torch
+
+from linattn.checks import positive_int
+
+from ..parity import assert_parity, check_rtol
+from .cases import ShardedLayer
+from .continuation_plans import SequencePlan
+from .continuation_report import field_names
+from .placement import Placement, as_cu_seqlens
+from .state_pool_rank import PoolCall, RankPool, run_pool_on_rank
+
+__all__ = ["CAPTURE_SIZES", "StatePoolPath", "assert_state_pool_parity"]
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)  # decode batch sizes a graph is captured for
+PAD_TARGETS = ("sentinel", "slot 0", "free slot")  # what padding rows point at, in turn
+SENTINEL = -1
+
+
+@dataclasses.dataclass(frozen=True)
+class StatePoolPath:
+    """How a client's layer runs against a state pool, for `assert_state_pool_parity`. Callables
+    module-level (pickled by reference to the ranks). A pool is a tuple of tensors (the state's
+    fields), each `[P, ...]`: one row per slot, in the TP rank's layout (`shard_state`).
+
+    prefill(module, x, cu_seqlens, pool, slots, fresh, placement) -> y
+        One chunk of each of N sequences, packed `[1, T, hidden]`; slots `[N]` int64 their slots;
+        fresh `[N]` bool: the sequence starts here, from zero (its slot holds a previous
+        sequence's state). Reads and writes the scheduled slots of `pool` in place.
+    decode(module, x, pool, slots, num_valid, placement) -> y
+        One token of each row, x `[1, B, hidden]`, slots `[B]`: the first `num_valid` rows are
+        sequences, the rest padding (slots: -1, 0 or a free slot). Returns y `[1, B, hidden]`
+        (padding rows' outputs are ignored); writes the valid rows' slots, and no other.
+    shard_state(state, placement, tp_rank), unshard_state(states, placement): as StatePath's.
+    """
+
+    layer: ShardedLayer
+    prefill: Callable
+    decode: Callable
+    shard_state: Callable | None = None
+    unshard_state: Callable | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.layer, ShardedLayer):
+            raise ValueError(f"StatePoolPath.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        for field in ("prefill", "decode"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"StatePoolPath.{field} must be callable, got {getattr(self, field)!r}")
+        if (self.shard_state is None) != (self.unshard_state is None):
+            raise ValueError("StatePoolPath.shard_state and unshard_state are given together (or neither: tp = 1 only)")
+        try:
+            pickle.dumps(self)
+        except Exception as exc:  # noqa: BLE001 - reported as bad input
+            raise ValueError(f"StatePoolPath's callables must be module-level (spawn pickles them by reference): "
+                             f"{exc}") from None
+
+
+def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Module, placements: Sequence[Placement],
+                             cu_seqlens, *, plans: Sequence[SequencePlan], hidden_size: int, seed: int, rtol: float,
+                             max_live: int | None = None, capture_sizes: Sequence[int] = CAPTURE_SIZES, dtype: torch.dtype = torch.float64,
+                             reference_forward: Callable | None = None, name: str = "") -> None:
+    """The client's pool path at every TP placement against one float64 full forward of
+    `reference` from zero states (the module docstring). max_live: sequences live at once
+    (default half of them, at least 2: slots are freed and reused). capture_sizes: the decode batch
+    sizes a graph is captured for; a decode call is padded to the next one. reference_forward(reference,
+    x, cu_seqlens, state) -> (y, final_state), as the continuation check's."""
+    __tracebackhide__ = True
+    if not isinstance(path, StatePoolPath):
+        raise ValueError(f"path must be a StatePoolPath, got {type(path).__name__}")
+    cu = as_cu_seqlens(cu_seqlens)
+    bounds = [int(b) for b in cu.tolist()]
+    N = len(bounds) - 1
+    positive_int(hidden_size, "hidden_size")
+    rtol = check_rtol(rtol)
+    plans = list(plans)
+    if len(plans) != N or not all(isinstance(pl, SequencePlan) for pl in plans):
+        raise ValueError(f"plans must hold one SequencePlan per sequence ({N}), got {plans!r}")
+    for n, pl in enumerate(plans):
+        if pl.length != bounds[n + 1] - bounds[n]:
+            raise ValueError(f"plans[{n}] covers {pl.length} tokens ({pl}); sequence {n} has {bounds[n + 1] - bounds[n]}")
+    max_live = max_live if max_live is not None else max(2, (N + 1) // 2)
+    positive_int(max_live, "max_live")
+    capture_sizes = tuple(sorted(capture_sizes))
+    for c in capture_sizes:
+        positive_int(c, "capture_sizes[...]")
+    placements = list(placements)
+    for p in placements:
+        if not isinstance(p, Placement) or p.cp > 1 or p.sequence_parallel:
+            raise ValueError(f"placements must be TP-only Placements (the pool mode runs no CP or SP), got {p!r}")
+        if p.tp > 1 and path.shard_state is None:
+            raise ValueError(f"placement {p.name}: tp > 1 needs StatePoolPath.shard_state and unshard_state")
+
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
+    forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
+    ref_dtype = next(reference.parameters()).dtype
+    with torch.no_grad():
+        y_ref, probe = forward(reference, x.to(ref_dtype), cu, None)
+    y_ref, ht_ref = y_ref.double(), [t.double() for t in probe]
+    P = max_live + 1  # a slot always free: the padding rows' third target
+    fields = [torch.randn((P,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64) for t in ht_ref]
+    pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
+    calls = pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes)
+    label = f"{name}/" if name else ""
+    reports = []
+    for p in placements:
+        case = RankPool(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, pool, calls,
+                        dtype, field_names(probe))
+        results = spawn(run_pool_on_rank, p.size, case)
+        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol)
+        if report:
+            reports.append(report)
+    if reports:
+        raise AssertionError("\n\n".join(reports))
+
+
+def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES) -> list[PoolCall]:
+    """The calls in order (module docstring): each step one prefill call, then one padded decode call."""
+    waiting, live, free, done = list(range(len(plans))), {}, list(range(P)), {}
+    progress = {n: 0 for n in range(len(plans))}  # work items done: chunks, then decode tokens
+    calls, pads = [], 0
+
+    def admit():
+        while waiting and len(live) < max_live:
+            n = waiting.pop(0)
+            live[n] = free.pop(0)
+            free.sort()
+
+    admit()
+    while live:
+        prefill = [n for n in sorted(live) if progress[n] < len(plans[n].chunks)]
+        if prefill:
+            tokens, lengths = [], []
+            for n in prefill:
+                k = progress[n]
+                start = bounds[n] + sum(plans[n].chunks[:k])
+                tokens.append(torch.arange(start, start + plans[n].chunks[k]))
+                lengths.append(plans[n].chunks[k])
+            calls.append(PoolCall("prefill", tuple(prefill), tuple(live[n] for n in prefill), torch.cat(tokens),
+                                  torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
+                                  tuple(progress[n] == 0 for n in prefill), len(prefill), None, dict(live)))
+        decoding = [n for n in sorted(live)
+                    if n not in prefill and progress[n] < len(plans[n].chunks) + plans[n].decode]
+        if decoding:
+            size = next((c for c in capture_sizes if c >= len(decoding)), len(decoding))
+            slots = [live[n] for n in decoding]
+            for _ in range(size - len(decoding)):
+                target = PAD_TARGETS[pads % len(PAD_TARGETS)]
+                pads += 1
+                slots.append(SENTINEL if target == "sentinel" else 0 if target == "slot 0" else free[0])
+            tokens = torch.tensor([bounds[n] + sum(plans[n].chunks) + progress[n] - len(plans[n].chunks)
+                                   for n in decoding])
+            pad_x = torch.randn(1, size - len(decoding), hidden_size, generator=gen, dtype=torch.float64)
+            calls.append(PoolCall("decode", tuple(decoding), tuple(slots), tokens, None, None, len(decoding), pad_x,
+                                  dict(live)))
+        for n in prefill + decoding:
+            progress[n] += 1
+        for n in [n for n in live if progress[n] == len(plans[n].chunks) + plans[n].decode]:
+            done[n] = live.pop(n)
+            free.append(done[n])
+            free.sort()
+        admit()
+    return calls
+
+
+def _describe_call(i, call) -> str:
+    if call.kind == "prefill":
+        return f"call {i} (prefill of sequences {list(call.sequences)} in slots {list(call.slots)})"
+    rows = list(call.slots[call.num_valid:])
+    return (f"call {i} (decode of sequences {list(call.sequences)} in slots {list(call.slots[:call.num_valid])}, "
+            f"padded to {len(call.slots)} rows" + (f" with padding rows at slots {rows})" if rows else ")"))
+
+
+def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol) -> str:
+    failures = []
+    for r, result in enumerate(results):
+        for i, slot, seq, field, diff in result["changed"]:
+            failures.append(f"{_describe_call(i, calls[i])} changed live slot {slot} (sequence {seq}, {plans[seq]}), "
+                            f"which it did not schedule: field {field}, max |change| {diff:.2e} (rank {r})")
+    where, holders, before = {}, {}, {}  # token -> (call, slot, sequence); slot -> last sequence; sequence -> previous
+    for i, call in enumerate(calls):
+        for t in call.tokens.tolist():
+            seq = bisect.bisect_right(bounds, t) - 1
+            slot = call.slots[call.sequences.index(seq)]
+            where[t] = (i, slot, seq)
+            if holders.get(slot, seq) != seq:
+                before[seq] = holders[slot]
+            holders[slot] = seq
+    scale = float(torch.linalg.vector_norm(y_ref)) / math.sqrt(y_ref.shape[1]) or 1.0
+
+    def located(t):
+        i, slot, seq = where[t]
+        holder = f"held before by sequence {before[seq]}" if seq in before else "its first holder"
+        return (f"sequence {seq} ({plans[seq]}) token {t - bounds[seq]}, {_describe_call(i, calls[i])}, its slot "
+                f"{slot} ({holder})")
+
+    for t_rank in range(p.tp):
+        y = results[t_rank]["y"].double()
+        per_token = torch.linalg.vector_norm((y - y_ref)[0], dim=-1) / scale
+        bad = torch.nonzero(~(per_token <= rtol)).flatten().tolist()
+        if not bad:
+            continue
+        firsts = {}  # each wrong sequence's first wrong token
+        for t in bad:
+            firsts.setdefault(where[t][2], t)
+        t = min(firsts.values(), key=lambda g: (g - bounds[where[g][2]], where[g][2]))
+        failures.append(f"output{f' tp_rank{t_rank}' if p.tp > 1 else ''}: {len(bad)} token(s) off; first wrong "
+                        f"token: {located(t)}, error {float(per_token[t]):.1e} of the tokens' RMS norm; each wrong "
+                        "sequence's first wrong token:\n" + "\n".join(f"    {located(g)}" for g in firsts.values()))
+    finals = [results[t]["final"] for t in range(p.tp)]
+    states = [s.double() for s in (finals[0] if p.tp == 1 else path.unshard_state(finals, p))]
+    names = field_names(results[0]["final"])
+
+    def describe(tensor_name, index):
+        return f"sequence {index[0]} ({plans[index[0]]}), element {tuple(index[1:])}"
+
+    try:
+        assert_parity(dict(zip(names, states)), dict(zip(names, ht_ref)), rtol=rtol,
+                      name=f"{label} final state (the slot when the sequence ends)", describe=describe,
+                      activations=False)
+    except AssertionError as exc:
+        failures.append(str(exc))
+    if not failures:
+        return ""
+    return (f"state-pool parity failed for {label}: {len(failures)} failing check(s)\n"
+            + "".join(f"  {_describe_call(i, c)}\n" for i, c in enumerate(calls)) + "\n" + "\n".join(failures))
