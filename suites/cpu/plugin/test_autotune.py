@@ -383,7 +383,9 @@ def test_xdist_workers_write_their_records_after_every_test(pytester, monkeypatc
     monkeypatch.setenv(autotune.RECORDS_ENV, str(tmp_path))
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
     pytester.makepyfile(RECORDING_TESTS)
-    pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cuda", "-n", "1", "-p", "no:randomly")
+    # no replacement worker after the kill: its start would only cost time
+    pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cuda", "-n", "1", "--max-worker-restart", "0",
+                                  "-p", "no:randomly")
     records = [r for path in tmp_path.glob("*.json") for r in json.loads(path.read_text())]
     assert {"kernel": "_kernel", "key": [8, "torch.float32"],
             "config": autotune.config_fields(triton.Config({"BLOCK": 32}))} in records

@@ -5,7 +5,8 @@ runs; only a rank that is gone ends it. So one torchrun session holds every faul
 by a test that must pass, and ends with the fault that ends it: one node of 2 ranks, then two
 nodes of 2 ranks (two torchrun agents on this machine), one run after another, each with a hard
 timeout. Two more session-ending faults get a short run each: rank 0 (the one that reports) dying
-in a call, and a rank dying between calls.
+in a call, and a rank dying between calls. Each starts torchrun's agent and its ranks cold (their
+imports are what a real launch pays), so each is marked slow.
 """
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from inner_pytest import BACKSTOP, LONG_WAIT, junit_durations, junit_outcomes, no_leftovers
 
@@ -151,6 +154,7 @@ def _one_node_torchrun(pytester, tag: str, *pytest_args: str, timeout: float) ->
     return proc.returncode, text
 
 
+@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_faults_under_torchrun(pytester):
     pytester.makepyfile(test_launched=LAUNCHED_TESTS)
     tag = f"launcher-{os.getpid()}-{time.monotonic_ns()}"
@@ -256,6 +260,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_two_nodes(pytester):
     # Two torchrun agents on this machine, two ranks each, over loopback: node 0's agent (started
     # first, so the rendezvous makes it node 0) hosts the rendezvous; node 1 joins it.
@@ -324,6 +329,7 @@ def test_rank_zero_exits(spawn):
 '''
 
 
+@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_rank_zero_gone_under_torchrun(pytester):
     # Rank 0, the one that reports, dies in a call: rank 1 says what it saw, and ends at once
     # instead of waiting for a report that will not come (torchrun then kills it 30 s later).
@@ -370,6 +376,7 @@ def test_after(spawn):
 '''
 
 
+@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_rank_gone_between_calls_under_torchrun(pytester):
     # No call to fail: the launcher's SIGTERM interrupts rank 0's session, which names the test
     # it came in and lists what did not run.
