@@ -1,0 +1,143 @@
+"""The checks the bug record runs, each on the project's layer (unplanted) or on a plant, at the
+record's sizes: one tiny GatedDeltaNet (qwen3_5 layout, 4 key heads, 2 value heads per key head,
+conv width 4), float64 unless a check says otherwise. Each check is the public one a client calls:
+
+    tp-parity      assert_sharded_parity at TP 2 (output, dx, every parameter gradient)
+    cp-parity      assert_sharded_parity at CP 2, contiguous
+    cp-short       assert_sharded_parity at CP 4 on 8 tokens: pieces of 2 < W-1 tokens
+    oracle         the replicated layer against the HF-written composition over linattn.reference
+                   (suites/cpu/library/test_layer_math.py's oracle, recurrent mode)
+    continuation   assert_continuation_parity at TP 2: chunked prefill and decode vs one forward
+    continuation-fp32  the same with the ranks' layer in float32 (<= 1e-5)
+    training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
+                   packings, 2 steps, clipping that bites, at TP 2 / CP 2
+
+`run(spawn, check, subject)` raises AssertionError with the check's report when it fails; the
+subject is what the check takes (a ShardedLayer, a StatePath, a layer class, a TrainingStep and
+its layer), None for the project's own. Reference runs are cached: the rows of one check share one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+from pathlib import Path
+
+import torch
+
+from layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
+from linattn.layers import build_layer
+from pytest_linattn.harness import (Placement, TrainingStep, assert_continuation_parity, assert_sharded_parity,
+                                    assert_training_parity)
+from pytest_linattn.parity import assert_parity
+
+CONFIG = make_config("qwen3_5", 2)
+RTOL = 1e-10
+SEED = 44
+CU = [0, 1, 14, 24, 32]  # a 1-token sequence; sequences crossing the CP 2 shard edge
+CU_SHORT = [0, 1, 8]  # at CP 4 every piece holds 2 tokens, fewer than W-1 = 3
+STATE_SEQLENS = (14, 12, 10, 7)  # cut by plan_cuts into 1+3+8, 4+6, 8, 3+.. chunks, then 2 decode steps
+STATE_CU = torch.tensor([0, *STATE_SEQLENS]).cumsum(0).to(torch.int32)
+CUT_CHUNK = 8  # plan_cuts' chunk size: cuts at 8, 7 and 9 tokens
+TRAINING_PACKINGS = [[0, 1, 14, 24, 32], [0, 5, 24, 32]]  # one length, two packings
+MAX_NORM = 0.05  # under every step's gradient norm: clipping bites
+FLOAT32_RTOL = 1e-5
+
+CHECKS = {
+    "tp-parity": "TP parity (`assert_sharded_parity`, TP 2)",
+    "cp-parity": "CP parity (`assert_sharded_parity`, CP 2)",
+    "cp-short": "CP parity, pieces shorter than W-1 (`assert_sharded_parity`, CP 4, 8 tokens)",
+    "oracle": "oracle (`test_layer_math.py` composition over `linattn.reference`)",
+    "continuation": "continuation (`assert_continuation_parity`, TP 2, float64)",
+    "continuation-fp32": "continuation (`assert_continuation_parity`, TP 2, float32 at 1e-5)",
+    "training-tp": "training step (`assert_training_parity`, TP 2)",
+    "training-cp": "training step (`assert_training_parity`, CP 2)",
+}
+
+
+@functools.lru_cache(maxsize=4)
+def reference(cls=None):
+    """The replicated layer (float64, seeded weights); `cls` a planted layer class."""
+    layer = build_layer(CONFIG, dtype=torch.float64) if cls is None else cls(CONFIG, dtype=torch.float64)
+    layer.load_state_dict(random_state_dict(CONFIG, SEED))
+    return layer
+
+
+def _parity(spawn, layer, placement, cu, ref=None):
+    assert_sharded_parity(spawn, layer or linattn_layer(CONFIG), ref or reference(), [placement], cu,
+                          hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
+
+
+@functools.lru_cache(maxsize=1)
+def _layer_math():
+    """suites/cpu/library/test_layer_math.py (its oracle and packed inputs), loaded by path."""
+    path = Path(__file__).resolve().parent.parent / "cpu" / "library" / "test_layer_math.py"
+    spec = importlib.util.spec_from_file_location("record_layer_math", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def oracle(cls=None):
+    """test_replicated_layer_matches_reference_composition's check on the replicated layer of
+    class `cls` (default the project's): output, dx and every parameter gradient <= 1e-12."""
+    math_tests = _layer_math()
+    config = math_tests.make_config("qwen3_5", 2)
+    sd = math_tests.random_state_dict(config, SEED)
+    x, dy, cu = math_tests.packed_inputs(config, SEED)
+    layer = build_layer(config, dtype=torch.float64) if cls is None else cls(config, dtype=torch.float64)
+    layer.load_state_dict(sd)
+    x_layer = x.clone().requires_grad_()
+    y = layer(x_layer, cu)
+    (y * dy).sum().backward()
+    params = {n: t.clone().requires_grad_() for n, t in sd.items()}
+    x_oracle = x.clone().requires_grad_()
+    y_ref = math_tests.oracle_gated_deltanet(params, x_oracle, cu, config)
+    (y_ref * dy).sum().backward()
+    rtol = math_tests.MATH_RTOL
+    assert_parity(y, y_ref, rtol=rtol, name="qwen3_5-gva2 output", cu_seqlens=cu)
+    assert_parity(x_layer.grad, x_oracle.grad, rtol=rtol, name="qwen3_5-gva2 dx", cu_seqlens=cu)
+    assert_parity({n: p.grad for n, p in layer.named_parameters()}, {n: t.grad for n, t in params.items()},
+                  rtol=rtol, name="qwen3_5-gva2 grad")
+
+
+def state_path(layer=None, **fields):
+    """linattn's StatePath with a planted layer and/or planted prefill / decode."""
+    path = linattn_state_path(CONFIG, **fields)
+    return path if layer is None else dataclasses.replace(path, layer=layer)
+
+
+def continuation(spawn, path, dtype=torch.float64, rtol=RTOL):
+    assert_continuation_parity(spawn, path or state_path(), reference(), [Placement(tp=2)], STATE_CU,
+                               hidden_size=CONFIG.hidden_size, seed=SEED, rtol=rtol, conv_width=CONFIG.conv_size,
+                               chunk_size=CUT_CHUNK, dtype=dtype, name="record")
+
+
+def training(spawn, subject, placement):
+    layer, step = subject or (None, None)
+    steps = assert_training_parity(spawn, layer or linattn_layer(CONFIG), reference(), [placement], TRAINING_PACKINGS,
+                                   hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
+                                   step=step or TrainingStep(steps=2, max_norm=MAX_NORM), name="record")
+    assert all(s["clipped"] for s in steps), f"clipping must bite on every step: {steps}"
+
+
+def run(spawn, check, subject=None):
+    """Run `check` (a CHECKS key) on `subject` (None: the project's layer)."""
+    if check == "tp-parity":
+        return _parity(spawn, subject, Placement(tp=2), CU)
+    if check == "cp-parity":
+        return _parity(spawn, subject, Placement(cp=2), CU)
+    if check == "cp-short":
+        return _parity(spawn, subject, Placement(cp=4), CU_SHORT)
+    if check == "oracle":
+        return oracle(subject)
+    if check == "continuation":
+        return continuation(spawn, subject)
+    if check == "continuation-fp32":
+        return continuation(spawn, subject, dtype=torch.float32, rtol=FLOAT32_RTOL)
+    if check == "training-tp":
+        return training(spawn, subject, Placement(tp=2))
+    if check == "training-cp":
+        return training(spawn, subject, Placement(cp=2))
+    raise ValueError(f"unknown check {check!r}; the checks: {sorted(CHECKS)}")

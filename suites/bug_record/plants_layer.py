@@ -1,0 +1,269 @@
+"""Planted bugs in linattn's layer and its shard code: subclasses of the project's GatedDeltaNet
+(each overrides the one method where the reported mechanism lived), shard functions, trainer
+hooks. Module-level: spawn's ranks get them by reference.
+
+A plant that runs only where the layer is sharded (a TP group of 2, a CP group, the shard
+function) is seen by sharded-vs-replicated parity; one that changes the replicated layer too
+(`DeltaRuleWithoutBoundaries`) is not, and the oracle must see it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+
+import torch
+import torch.distributed as dist
+
+from layer_parity import linattn_layer
+from linattn.layers import GatedDeltaNet, shard_state_dict
+from linattn.parallel import cp
+from linattn.parallel.cp import conv as cp_conv
+
+
+# ---- TP ------------------------------------------------------------------------------------------
+
+
+class NormGradUnreducedWithoutSP(GatedDeltaNet):
+    """Megatron-LM #7452: the TP-replicated norm weight's gradient is summed over TP only when
+    sequence parallel is on; without SP each rank keeps its partial sum."""
+
+    def _replicated(self, weight):
+        return super()._replicated(weight) if self.sequence_parallel else weight
+
+
+class OutputPartialSumNotReduced(GatedDeltaNet):
+    """sglang #19411: the row-parallel output's all-reduce (deferred to the layer's exit) is lost:
+    every TP rank returns its own heads' partial sum."""
+
+    def _exit_tensor_parallel_region(self, partial_output):
+        if self.sequence_parallel:
+            return super()._exit_tensor_parallel_region(partial_output)
+        return partial_output
+
+
+def shard_fused_in_proj_evenly(config, full, placement, tp_rank):
+    """Megatron-LM PR #1989 review: the fused in_proj `[Q_all | K_all | V_all]` split evenly by a
+    column-parallel linear, so rank 0 gets Q | K | part of V instead of its heads of each."""
+    local = shard_state_dict(full, config, tp_rank, placement.tp)
+    local["in_proj_qkv.weight"] = full["in_proj_qkv.weight"].chunk(placement.tp, dim=0)[tp_rank].clone()
+    return local
+
+
+# ---- CP ------------------------------------------------------------------------------------------
+
+
+class StateNotPassedOverCP(GatedDeltaNet):
+    """accelerate #4177: the recurrence runs on each CP rank's piece alone, every piece's first
+    sequence restarting from a zero state (the conv halo still crosses)."""
+
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
+        return super()._delta_rule(q, k, v, g, beta, cu_seqlens, None, carry, **gate)
+
+
+class ContextFromWholeBatch(GatedDeltaNet):
+    """prime-rl #3002: the CP context built from a made-up `[0, T]` instead of the packed
+    boundaries, so state and conv run across documents."""
+
+    def _packed_batch(self, cu_seqlens, device):
+        total, cu, ctx = super()._packed_batch(cu_seqlens, device)
+        if ctx is None:
+            return total, cu, ctx
+        whole = torch.tensor([0, total], dtype=cu_seqlens.dtype)
+        return total, cu, cp.build_context(whole, self.cp_group, self.cp_layout, total_tokens=total)
+
+
+class LocalBoundariesDividedByCP(GatedDeltaNet):
+    """Megatron-LM dev 098d7d97 (wrong THD partition in contiguous CP): each rank's local
+    boundaries taken as `cu_seqlens // cp` (the partition ISEEKYAN/Megatron-LM #111 fixed)."""
+
+    def _packed_batch(self, cu_seqlens, device):
+        total, cu, ctx = super()._packed_batch(cu_seqlens, device)
+        if ctx is None:
+            return total, cu, ctx
+        local = torch.unique_consecutive(ctx.cu_seqlens // ctx.cp_size)
+        return total, cu, dataclasses.replace(ctx, local_cu_seqlens=local, _on_device={})
+
+
+# the CPU stand-in for Megatron's 4096: shorter than a CP piece of the record's packings
+HARD_CODED_CONV_TOKENS = 12
+
+
+class ConvPaddedToFixedLength(GatedDeltaNet):
+    """Megatron-LM dev d749b6c7 (a hard-coded 4096-token conv pad): the CP conv's buffer has a
+    fixed length, so the tokens of a longer piece past it are convolved from zeros."""
+
+    def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
+        if cp_context is not None:
+            keep = torch.arange(xs[0].shape[1], device=xs[0].device) < HARD_CODED_CONV_TOKENS
+            xs = [x * keep.view(1, -1, 1).to(x.dtype) for x in xs]
+        return super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)
+
+
+def halo_from_previous_rank_only(x, ctx, W):
+    """fla #774's class: every halo token read from rank r-1's tail, also where the sequence's
+    earlier tokens lie on rank r-2 (a piece shorter than W-1)."""
+    local = ctx.local_tokens
+    n_tail = min(W - 1, local)
+    tails = cp_conv.all_gather_from_cp_ranks(x[0, local - n_tail:], ctx.group)
+    halo_len = min(W - 1, ctx.first_seq_offset[ctx.cp_rank])
+    pos = torch.arange(ctx.start - halo_len, ctx.start)
+    return tails[ctx.cp_rank - 1, (pos - ctx.start) % n_tail]
+
+
+@contextlib.contextmanager
+def _swapped(module, name, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
+class HaloFromPreviousRankOnly(GatedDeltaNet):
+    """The layer whose CP conv takes every halo token from the previous rank (swapped in for its
+    own calls only: the rank processes are shared by other tests)."""
+
+    def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
+        with _swapped(cp_conv, "_halo", halo_from_previous_rank_only):
+            return super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)
+
+
+# ---- the replicated layer too: invisible to parity -----------------------------------------------
+
+
+class DeltaRuleWithoutBoundaries(GatedDeltaNet):
+    """slime #1686: cu_seqlens reaches the short conv but not the delta rule, so the recurrence
+    runs through the packed batch as one sequence (every placement alike)."""
+
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
+        whole = cu_seqlens[[0, -1]]
+        return super()._delta_rule(q, k, v, g, beta, whole, cp_context, carry, **gate)
+
+
+# ---- training step -------------------------------------------------------------------------------
+
+
+class MetadataCachedByTokenCount(GatedDeltaNet):
+    """miles #2213's class: the packing metadata kept on the module keyed by the total token
+    count, so a later micro-batch of the same length but another packing reuses stale
+    boundaries."""
+
+    def _packed_batch(self, cu_seqlens, device):
+        cache = self.__dict__.setdefault("_by_token_count", {})
+        total = int(cu_seqlens[-1])
+        if total not in cache:
+            cache[total] = super()._packed_batch(cu_seqlens, device)
+        return cache[total]
+
+
+def all_reduce_replicated_grads(module, placement):
+    """transformers' `replicated_with_grad_allreduce`: a hook all-reduces the replicated weights'
+    accumulated .grad after every backward, so under accumulation earlier micro-batches are
+    summed again (tp times) on every later one."""
+    if placement.tp > 1:
+        dist.all_reduce(module.norm.weight.grad, group=module.tp_group)
+
+
+def loss_averaged_per_rank(y, dy, tokens, micro_batches):
+    """verl #6609: the token mean over this CP rank's tokens instead of the whole micro-batch's."""
+    return (y * dy).sum() / (y.shape[1] * micro_batches)
+
+
+# ---- the clients ---------------------------------------------------------------------------------
+
+
+def build_planted(cls, config, placement, groups, dtype, device):
+    tp_group, cp_group = groups
+    return cls(config, tp_group=tp_group, cp_group=cp_group, cp_layout=placement.cp_layout,
+               sequence_parallel=placement.sequence_parallel, dtype=dtype, device=device)
+
+
+def planted_layer(config, cls=None, **fields):
+    """linattn's ShardedLayer for `config` with its build making `cls` (a plant above) and other
+    fields replaced (a planted shard or after_backward)."""
+    layer = linattn_layer(config)
+    if cls is not None:
+        fields["build"] = functools.partial(build_planted, cls, config)
+    return dataclasses.replace(layer, **fields)
+
+
+# ---- classes without a check: the closest check runs, and cannot see them ------------------------
+
+
+def shard_gate_unsliced_beyond_key_heads(config, full, placement, tp_rank):
+    """miles #972 / vLLM #13660's class: with TP > key heads each key head is replicated over
+    tp / H ranks, and the output gate (in_proj_z) is handed whole instead of sliced by value head.
+    Below that (tp <= key heads, all the checks can place) the shard is the project's."""
+    if placement.tp <= config.num_k_heads:
+        return shard_state_dict(full, config, tp_rank, placement.tp)
+    H, dk = config.num_k_heads, config.head_k_dim
+    head = tp_rank * H // placement.tp
+    local = {}
+    q, k, v = full["in_proj_qkv.weight"].split([config.key_dim, config.key_dim, config.value_dim])
+    rows = slice(head * dk, (head + 1) * dk)
+    local["in_proj_qkv.weight"] = torch.cat([q[rows], k[rows], v.chunk(placement.tp)[tp_rank]])
+    local["in_proj_z.weight"] = full["in_proj_z.weight"]  # the bug: not sliced
+    return local
+
+
+def decoder_call(module, x, cu_seqlens=None, position_ids=None):
+    """LlamaFactory #10787 / transformers #46851's class: the decoder hands the linear-attention
+    layer the boundaries only when the caller passes cu_seqlens; from position_ids alone (what a
+    packed trainer passes) it derives nothing, and the layer sees one sequence."""
+    if cu_seqlens is None:
+        cu_seqlens = torch.tensor([0, x.shape[1]], dtype=torch.int32, device=x.device)
+    return module(x, cu_seqlens)
+
+
+def forward_through_the_decoder(module, x, cu_seqlens, placement):
+    """How the harness calls the layer (it hands cu_seqlens), through the decoder's entry."""
+    return decoder_call(module, x, cu_seqlens=cu_seqlens)
+
+
+class ContextFromUnpaddedBoundaries(GatedDeltaNet):
+    """Megatron-LM #4495's class: under THD + CP the local chunks are indexed with the unpadded
+    cu_seqlens where the tokens lie at cu_seqlens_padded. Without padding the two are equal."""
+
+    def _packed_batch(self, cu_seqlens, device):
+        padded = self.__dict__.get("cu_seqlens_padded")
+        del padded  # the bug: the partition below should use the padded boundaries
+        return super()._packed_batch(cu_seqlens, device)
+
+
+class ConvWeightGradFromFirstRow(GatedDeltaNet):
+    """fla #955: with B > 1 the conv backward takes dweight from batch row 0 only (dx right).
+    The layer's batches are packed, B = 1: row 0 is everything."""
+
+    def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
+        if xs[0].shape[0] == 1:
+            return super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)
+        first = super()._short_conv([x[:1] for x in xs], weights, cu_seqlens, cp_context, carry)
+        rest = super()._short_conv([x[1:] for x in xs], [w.detach() for w in weights], cu_seqlens, cp_context, carry)
+        return [torch.cat([a, b]) for a, b in zip(first, rest)]
+
+
+class _GradReadAsContiguous(torch.autograd.Function):
+    """Identity forward; backward reads the incoming gradient's storage with contiguous strides
+    (fla #871 / #1138: dy's strides hard-coded)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy.is_contiguous():
+            return dy
+        strides = torch.empty(dy.shape, device="meta").stride()
+        return torch.as_strided(dy, dy.shape, strides, dy.storage_offset())
+
+
+class ConvReadingDyAsContiguous(GatedDeltaNet):
+    """The conv's backward reading dy as contiguous: wrong only when the conv output's gradient
+    arrives as a strided view (a split of a fused tensor's gradient)."""
+
+    def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
+        return [_GradReadAsContiguous.apply(y) for y in super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)]

@@ -1,0 +1,207 @@
+"""Planted bugs on the state path: wrappers around the layer's prefill and decode calls (the
+StatePath's `prefill(module, x, cu_seqlens, state, placement)` and `decode(module, x, state,
+placement)`, as an engine or a model's cache code calls the layer), and layer subclasses whose
+decode step alone carries the bug. Module-level: spawn's ranks get them by reference.
+
+Every plant here runs only on the stateful path (a call from a carried state, a decode step), so
+the continuation check, which compares the calls with one full forward, is the check that sees it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from linattn import kernels
+from linattn.layers import GatedDeltaNet, LayerState
+
+
+def _rows_where(mask, rows, other):
+    """`rows` `[N, ...]` with the rows where `mask` `[N]` holds replaced by `other`'s."""
+    return torch.where(mask.view(-1, *[1] * (rows.dim() - 1)), other, rows)
+
+
+def _call(module, x, cu_seqlens, state):
+    return module(x, cu_seqlens, state, output_final_state=True)
+
+
+# ---- caught by the continuation check ------------------------------------------------------------
+
+
+def prefill_restarting_multi_token_chunks(module, x, cu_seqlens, state, placement):
+    """transformers #45513: a multi-token forward with a populated cache calls the chunk kernel
+    with initial_state=None, restarting from zero."""
+    multi = (cu_seqlens.diff() > 1).to(x.device)
+    return _call(module, x, cu_seqlens, LayerState(*(_rows_where(multi, s, torch.zeros_like(s)) for s in state)))
+
+
+def prefill_reading_a_stale_state_for_1_token_chunks(module, x, cu_seqlens, state, placement):
+    """vLLM #51483: a stateless 1-token first chunk classified as a decode reads a reused state
+    page (here the previous row's, a state that is not its own)."""
+    single = (cu_seqlens.diff() == 1).to(x.device)
+    return _call(module, x, cu_seqlens, LayerState(*(_rows_where(single, s, s.roll(1, dims=0)) for s in state)))
+
+
+# a client's prefill limit (mlxcel's MLXCEL_PREFILL_CHUNK, 2048), at the record's sizes
+PREFILL_LIMIT = 6
+
+
+def prefill_restarting_past_a_chunk_limit(module, x, cu_seqlens, state, placement):
+    """sparkinfer #1071 / mlxcel #1749: a prompt longer than the client's prefill limit runs in
+    pieces, and a piece at position > 0 restarts from zero instead of the previous piece's state."""
+    long = (cu_seqlens.diff() > PREFILL_LIMIT).to(x.device)
+    starts = cu_seqlens[:-1].tolist()
+    lengths = cu_seqlens.diff().tolist()
+    cut = [s + min(n, PREFILL_LIMIT) for s, n in zip(starts, lengths)]
+    first = [torch.arange(s, c) for s, c in zip(starts, cut)]
+    rest = [torch.arange(c, s + n) for s, c, n in zip(starts, cut, lengths)]
+    head_cu = torch.tensor([0] + [len(i) for i in first]).cumsum(0).to(cu_seqlens)
+    y_head, mid = _call(module, x[:, torch.cat(first)], head_cu, state)
+    tails = [n for n, i in enumerate(rest) if len(i)]
+    if not tails:
+        return y_head, mid
+    rows = torch.tensor(tails)
+    zeroed = LayerState(*(_rows_where(long[rows], s[rows], torch.zeros_like(s[rows])) for s in mid))
+    tail_cu = torch.tensor([0] + [len(rest[n]) for n in tails]).cumsum(0).to(cu_seqlens)
+    y_tail, end = _call(module, x[:, torch.cat([rest[n] for n in tails])], tail_cu, zeroed)
+    y = torch.empty_like(x)
+    y[:, torch.cat(first)] = y_head
+    y[:, torch.cat([rest[n] for n in tails])] = y_tail
+    final = LayerState(*(m.index_copy(0, rows, e) for m, e in zip(mid, end)))
+    return y, final
+
+
+def prefill_through_the_decode_step(module, x, cu_seqlens, state, placement):
+    """transformers #46741: a cached forward of T > 1 tokens takes the 1-token decode branch:
+    one recurrent step on each sequence's first token, its output for every token of the chunk."""
+    firsts = cu_seqlens[:-1].long()
+    y_first, new = module.step(x[:, firsts], state)
+    lengths = cu_seqlens.diff().long()
+    return y_first.repeat_interleave(lengths, dim=1), new
+
+
+# the client's kernel chunk (the token grid of a packed call), at the record's sizes
+CLIENT_CHUNK = 8
+
+
+def prefill_decaying_from_the_chunk_start(module, x, cu_seqlens, state, placement):
+    """vLLM #23279: in a varlen chunked prefill a sequence starting mid-chunk gets its initial
+    state's decay accumulated from the chunk start (the previous sequence's tokens included),
+    not from its own start. GDN (qwen3_5 layout): a = in_proj_a(x), scalar decay per value head."""
+    g = kernels.log_decay(F.linear(x, module.in_proj_a.weight), module.A_log, module.dt_bias)[0]  # [T, HV]
+    starts = cu_seqlens[:-1].tolist()
+    extra = torch.stack([g[s - s % CLIENT_CHUNK:s].sum(0) for s in starts])  # [N, HV]
+    recurrent = state.recurrent * extra.exp().to(state.recurrent.dtype)[:, :, None, None]
+    return _call(module, x, cu_seqlens, LayerState(state.conv, recurrent))
+
+
+def _drop_gradient_of_oldest_column(conv):
+    return torch.cat([conv[..., :1].detach(), conv[..., 1:]], dim=-1)
+
+
+def prefill_dropping_the_oldest_conv_column_gradient(module, x, cu_seqlens, state, placement):
+    """The fla causal_conv1d backward (no upstream issue): tokens before T-(W-1) are masked, so the
+    final conv state's column 0 passes no gradient back (its value is right)."""
+    y, new = _call(module, x, cu_seqlens, state)
+    return y, LayerState(_drop_gradient_of_oldest_column(new.conv), new.recurrent)
+
+
+def decode_dropping_the_oldest_conv_column_gradient(module, x, state, placement):
+    y, new = module.step(x, state)
+    return y, LayerState(_drop_gradient_of_oldest_column(new.conv), new.recurrent)
+
+
+def decode_reading_the_first_columns_of_a_wider_state(module, x, state, placement):
+    """sglang #38622: the decode conv update reads the first W-1 columns of a conv state kept W
+    wide (a zero column in front, as transformers' cache pads it), not the last W-1."""
+    wide = torch.cat([torch.zeros_like(state.conv[..., :1]), state.conv], dim=-1)
+    return module.step(x, LayerState(wide[..., :-1], state.recurrent))
+
+
+class DecodeBetaThroughBF16(GatedDeltaNet):
+    """sglang #38975: the packed decode rounds sigmoid(beta) through bf16 on every step (prefill
+    untouched), so the rounding enters the state once per token."""
+
+    def step(self, hidden_states, state):
+        self._decoding = True
+        try:
+            return super().step(hidden_states, state)
+        finally:
+            self._decoding = False
+
+    def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
+        if getattr(self, "_decoding", False):
+            beta = beta.to(torch.bfloat16).to(beta.dtype)
+        return super()._delta_rule(q, k, v, g, beta, cu_seqlens, cp_context, carry, **gate)
+
+
+# ---- classes without a check: the closest check runs, and cannot see them ------------------------
+
+
+class DecodeStoringStateInInputDtype(GatedDeltaNet):
+    """TensorRT-Model-Connect #725: the persistent recurrent state written back in the storage
+    dtype (bf16) every decoded token. Seen only over hundreds of steps, or by a state-dtype rule."""
+
+    def step(self, hidden_states, state):
+        y, new = super().step(hidden_states, state)
+        return y, LayerState(new.conv, new.recurrent.to(hidden_states.dtype))
+
+
+def decode_padded_to_a_captured_batch(module, x, state, placement):
+    """vLLM #37728 and siblings: a decode batch padded to a captured graph size; the padding rows
+    point at slot 0 of the state pool and write their state there (a live sequence's slot). The
+    live rows' outputs and states are right: only the pool's slot 0 is overwritten."""
+    N = x.shape[1]
+    captured = N + 2
+    pad_x = torch.cat([x, x.new_zeros(1, captured - N, x.shape[2])], dim=1)
+    pad_state = LayerState(*(torch.cat([s, s[:1].expand(captured - N, *s.shape[1:])]) for s in state))
+    y, new = module.step(pad_x, pad_state)
+    pool = module.__dict__.setdefault("_slot_pool", {})
+    pool[0] = LayerState(*(s[-1].detach() for s in new))  # the last padding row's write to slot 0
+    return y[:, :N], LayerState(*(s[:N] for s in new))
+
+
+def prefill_writing_a_short_chunk_into_the_prefix_block(module, x, cu_seqlens, state, placement):
+    """vLLM #56196: with prefix caching, a chunk shorter than W-1 writes its conv state into the
+    shared prefix block it read from; its own block is never written. The state the call returns
+    is right: the pool's blocks are not."""
+    y, new = _call(module, x, cu_seqlens, state)
+    blocks = module.__dict__.setdefault("_prefix_blocks", {})
+    calls = module.__dict__["_calls"] = module.__dict__.get("_calls", 0) + 1
+    for n, length in enumerate(cu_seqlens.diff().tolist()):
+        own, read_from = (n, calls), (n, calls - 1)
+        blocks[read_from if length < new.conv.shape[-1] else own] = new.conv[n].detach()
+    return y, new
+
+
+def prefill_without_track_snapshots(module, x, cu_seqlens, state, placement):
+    """sglang #31474: the KDA backend never writes the mamba track snapshots at block boundaries,
+    so a later prefix hit restores whatever the slot held. Nothing in this call reads them."""
+    return _call(module, x, cu_seqlens, state)
+
+
+def verify_keeping_rejected_drafts(module, drafts, state, accepted):
+    """sglang #27658 / #40419's class: a speculative verify of K drafts keeps the state advanced by
+    all K, whatever was accepted (the right state is the one after the accepted ones)."""
+    y = []
+    for j in range(drafts.shape[1]):
+        out, state = module.step(drafts[:, j:j + 1], state)
+        y.append(out)
+    return torch.cat(y, dim=1)[:, :accepted], state
+
+
+def decode_through_verify(module, x, state, placement):
+    """Decode as a one-draft verify, every draft accepted: x `[1, N, hidden]`, one token each."""
+    ys, finals = [], []
+    for n in range(x.shape[1]):
+        y, new = verify_keeping_rejected_drafts(module, x[:, n:n + 1], LayerState(*(s[n:n + 1] for s in state)), 1)
+        ys.append(y)
+        finals.append(new)
+    return torch.cat(ys, dim=1), LayerState(*(torch.cat(f) for f in zip(*finals)))
+
+
+def prefill_with_unmasked_padding(module, x, cu_seqlens, state, placement, attention_mask=None):
+    """transformers #47086: on a continued forward the padding mask is not applied, so pad tokens
+    enter the conv and recurrent state. The packed calls here carry no padding."""
+    del attention_mask  # the bug: never applied to x before the conv and the recurrence
+    return _call(module, x, cu_seqlens, state)
