@@ -49,6 +49,7 @@ import os
 import pytest
 
 from . import options as _opts
+from . import quiet_exit  # noqa: F401  importing it registers its exit handler (Triton dropped by pytester)
 from . import size_selection
 from .fla_hint import FlaOnCpuReport
 from .markers import MARKERS, skip_reason

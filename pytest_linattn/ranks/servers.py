@@ -7,10 +7,11 @@ rank after that is a fork of it, ready in a fraction of a second (../shared/note
 4 fla-importing ranks in 0.2 s instead of ~40 s on a loaded 2-core machine).
 
 Flavours: "torch" (torch, torch.distributed, pytest, this package, linattn) and "fla" (those
-plus fla and linattn.emulation, only on a machine without a visible GPU, never under Triton's
-interpreter, whose setup must precede fla's import). A server is also keyed by the environment
-variables its preloaded modules read when imported (TRITON_*, OMP_*, ...): a change starts
-another one. Each process (each xdist worker) has its own servers; they exit with it.
+plus fla and linattn.emulation, only on a machine without a visible GPU; under Triton's
+interpreter an "fla" server imports fla with TRITON_INTERPRET=1 set, so its kernels are the
+interpreted ones, and each rank applies the interpreter's patches). A server is also keyed by
+the environment variables its preloaded modules read when imported (TRITON_*, OMP_*, ...): a
+change starts another one. Each process (each xdist worker) has its own servers; they exit with it.
 
 Safety of the fork: the server only imports (no tensor op, no thread of its own: numpy's
 OpenBLAS pool shuts itself down around a fork), never opens a process group and never touches
@@ -41,7 +42,6 @@ FLA_PRELOAD = BASE_PRELOAD + ("fla", "linattn.emulation")
 # read by the preloaded modules when imported: a server started under other values is stale
 _IMPORT_ENV_PREFIXES = ("TRITON", "FLA_", "TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS_", "KMP_",
                         "CUDA")
-_INTERPRET_ENV = "TRITON_INTERPRET"
 CHAIN_ENV = "LINATTN_RANK_SERVERS"  # "forked": see _ForkedServer
 
 _servers: dict[tuple, forkserver.ForkServer] = {}
@@ -215,8 +215,9 @@ def _use_servers(device: str) -> bool:
 
 
 def _fla_preload_allowed() -> bool:
-    if os.environ.get(_INTERPRET_ENV, "0") not in ("", "0"):
-        return False  # fla_interpreted: the process is set up before fla is imported, in the rank
+    # Under fla_interpreted too: the server starts in this environment (TRITON_INTERPRET=1, part of
+    # its key), so it defines fla's kernels interpreted, as a rank importing fla would; the rest of
+    # the setup (Triton's patches, its self-check) acts when kernels run, and the rank applies it.
     try:
         from .gpus import gpu_count
 

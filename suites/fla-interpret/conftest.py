@@ -35,3 +35,17 @@ def pytest_collection_modifyitems(config, items):
 def _fla_interpreted_here(fla_interpreted):
     """Every test here runs with fla's kernels interpreted, also when the option was turned off."""
     yield
+
+
+def pytest_collection_finish(session):
+    """Where a selected test spawns ranks: the rank server that imports fla (interpreted:
+    TRITON_INTERPRET=1 is set by now) starts at once, importing while this process runs the first
+    tests; the CP and state-path tests' ranks are forks of it (the server their pools would start,
+    keyed by the same environment)."""
+    import os
+
+    from pytest_linattn.ranks import servers
+
+    if (os.environ.get("TRITON_INTERPRET") == "1" and servers.can_preload_fla("cpu")
+            and any("spawn" in getattr(item, "fixturenames", ()) for item in session.items)):
+        servers.preloaded_server(servers.FLA_PRELOAD)

@@ -4,6 +4,8 @@ internals moved are refused in one line, bfloat16 is refused where the interpret
 wrong. (The ranks' side: test_cp_fidelity.py checks every rank is interpreted.)"""
 
 import os
+import re
+import subprocess
 import sys
 import types
 
@@ -118,15 +120,25 @@ def test_fixture_in_a_process_without_the_option(fla_interpreted):
 '''
 
 
+def _start_pytest(folder, *args):
+    """A cold `python -m pytest` in `folder` (this test's environment), running while the caller goes on."""
+    return subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_linattn", "-q", "-p", "no:cacheprovider",
+                             *args], cwd=folder, env=dict(os.environ), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+
+
 def test_fixture_without_the_option_and_an_early_fla_import(pytester, monkeypatch):
     """In a fresh process: the fixture alone sets the process up when fla is not imported yet;
-    with the option, a conftest that imports fla first is a usage error naming the cause."""
+    with the option, a conftest that imports fla first is a usage error naming the cause.
+    The two processes run at once: each spends its seconds importing fla."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the fresh process decides for itself
-    pytester.makepyfile(test_fresh=FRESH)
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-q", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=1)
-    pytester.makeconftest("import fla.ops.kda\n")
-    result = pytester.runpytest_subprocess("-p", "pytest_linattn", "-q", "-p", "no:cacheprovider",
-                                           "--linattn-fla-interpreted")
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines(["*fla_interpreted: fla was imported in this process before TRITON_INTERPRET=1*"])
+    fresh, early = pytester.mkdir("fresh"), pytester.mkdir("early")
+    (fresh / "test_fresh.py").write_text(FRESH)
+    (early / "test_fresh.py").write_text(FRESH)
+    (early / "conftest.py").write_text("import fla.ops.kda\n")
+    runs = [_start_pytest(fresh), _start_pytest(early, "--linattn-fla-interpreted")]
+    (fresh_out, fresh_err), (early_out, early_err) = [run.communicate(timeout=600) for run in runs]
+    assert runs[0].returncode == pytest.ExitCode.OK, fresh_out + fresh_err
+    assert re.search(r"^1 passed", fresh_out, re.MULTILINE), fresh_out
+    assert runs[1].returncode == pytest.ExitCode.USAGE_ERROR, early_out + early_err
+    assert "fla_interpreted: fla was imported in this process before TRITON_INTERPRET=1" in early_err, early_err
