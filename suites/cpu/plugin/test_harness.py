@@ -119,9 +119,9 @@ def toy_client(bug=None, **extra):
                         describe_grad_element=describe_toy_grad, **extra)
 
 
-def toy_reference(seed=0):
+def toy_reference(seed=0, cls=ToyMixer):
     torch.manual_seed(seed)
-    ref = ToyMixer()
+    ref = cls()
     with torch.no_grad():
         ref.gain.copy_(1 + 0.2 * torch.randn(DIM, dtype=torch.float64))
     return ref
@@ -366,11 +366,7 @@ class CountingToyMixer(ToyMixer):
 
 
 def counting_reference(seed=0):
-    torch.manual_seed(seed)
-    ref = CountingToyMixer()
-    with torch.no_grad():
-        ref.gain.copy_(1 + 0.2 * torch.randn(DIM, dtype=torch.float64))
-    return ref
+    return toy_reference(seed, CountingToyMixer)
 
 
 def test_reruns_compute_each_reference_once_and_anew_when_it_changes(spawn):
