@@ -198,7 +198,10 @@ def describe_grad_element(config, name, index, placement) -> str | None:
     other = {0: "row", 1: "col", 2: "tap"}  # conv weights [channels, 1, W]: dim 2 is the tap
     words += [f"{other[d]} {i}" for d, i in enumerate(index) if d != dim and layout.shape[d] > 1]
     text = ", ".join(words)
-    if placement.tp > 1:
+    replicas = config.key_head_replicas(placement.tp) if kind == "key" else 1
+    if placement.tp > 1 and replicas > 1:  # TP beyond the key heads: consecutive ranks hold each key head
+        text += f" (TP ranks {head * replicas}..{head * replicas + replicas - 1}, its replicas)"
+    elif placement.tp > 1:
         text += f" (TP rank {head // (total_heads // placement.tp)})"
     return text
 

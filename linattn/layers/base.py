@@ -15,7 +15,9 @@ Forward of every family, on one (TP rank, CP rank) holding 1/tp of the heads and
 
 Replicated weights (norm weight, KDA's f_a_proj and g_a_proj) pass through
 copy_to_tensor_parallel_region where they are used, so their gradient is summed over TP
-inside backward, like the input's. Over CP nothing is summed (see linattn.parallel.cp).
+inside backward, like the input's. Beyond the key heads (tp_size a multiple of num_k_heads),
+the key-head weights (q and k projections and conv channels) pass through
+copy_to_key_head_replicas: their gradient is summed over the ranks holding the same key head. Over CP nothing is summed (see linattn.parallel.cp).
 
 Context parallelism acts at exactly two methods: `_short_conv` (every short convolution of a
 family goes through one call) and `_delta_rule` (the recurrence). Both get the layer's CP
@@ -35,6 +37,7 @@ from linattn import kernels, selection
 from linattn.parallel import cp
 from linattn.parallel.groups import group_rank, group_size
 from linattn.parallel.mappings import (
+    copy_to_key_head_replicas,
     copy_to_tensor_parallel_region,
     gather_from_sequence_parallel_region,
     reduce_from_tensor_parallel_region,
@@ -83,7 +86,9 @@ class HeadShardedLinearAttention(nn.Module):
         self.tp_group = tp_group
         self.tp_size = group_size(tp_group)
         self.tp_rank = group_rank(tp_group)
-        self.local_config = config.local(self.tp_size)  # raises unless tp_size divides num_k_heads
+        self.local_config = config.local(self.tp_size)  # raises for a tp_size the heads do not split into
+        # beyond the key heads, this many consecutive TP ranks hold each key head
+        self.key_head_replicas = config.key_head_replicas(self.tp_size)
         # SP is a TP variant: with one rank there is nothing to split
         self.sequence_parallel = bool(sequence_parallel) and self.tp_size > 1
         self.cp_group = cp_group
@@ -243,6 +248,11 @@ class HeadShardedLinearAttention(nn.Module):
     def _replicated(self, weight: torch.Tensor) -> torch.Tensor:
         """A weight every TP rank holds whole: its gradient is summed over TP in backward."""
         return copy_to_tensor_parallel_region(weight, self.tp_group)
+
+    def _key_head(self, weight: torch.Tensor) -> torch.Tensor:
+        """A key-head weight (q or k rows): beyond the key heads its replicas each hold a partial
+        gradient, summed over the replicas in backward."""
+        return copy_to_key_head_replicas(weight, self.tp_group, self.key_head_replicas)
 
     def _mix_tokens(self, x: torch.Tensor, cu_seqlens: torch.Tensor, cp_context, carry=None) -> torch.Tensor:
         """Family-specific: `[1, T, hidden]` -> this rank's partial `[1, T, hidden]`, over the tokens

@@ -100,18 +100,31 @@ class LinearAttentionConfig:
         return "kda" if self.family == "kda" else "gated_delta_rule"
 
     def check_tensor_parallel_size(self, tp_size: int) -> None:
-        """TP splits whole key heads (and with them their value heads): tp_size must divide num_k_heads."""
+        """TP splits whole key heads (and with them their value heads): tp_size must divide
+        num_k_heads; or, beyond the key heads, be a multiple of num_k_heads that divides
+        num_v_heads: then each key head is replicated over tp_size / num_k_heads consecutive
+        ranks, each holding its share of that key head's value heads."""
         positive_int(tp_size, "tp_size")
-        if self.num_k_heads % tp_size != 0:
+        H, HV = self.num_k_heads, self.num_v_heads
+        if H % tp_size != 0 and (tp_size % H != 0 or HV % tp_size != 0):
             raise ValueError(
-                f"tensor parallel size must divide num_k_heads: tp_size={tp_size}, num_k_heads={self.num_k_heads}"
+                f"tensor parallel size must divide num_k_heads: tp_size={tp_size}, num_k_heads={H}, num_v_heads={HV} "
+                f"(or, beyond the key heads, be a multiple of num_k_heads that divides num_v_heads: each key head "
+                f"replicated over tp_size / num_k_heads ranks)"
             )
 
-    def local(self, tp_size: int) -> "LinearAttentionConfig":
-        """The config of one TP rank's shard: the same layer with 1/tp_size of the heads."""
+    def key_head_replicas(self, tp_size: int) -> int:
+        """How many TP ranks hold each key head: 1 when tp_size divides num_k_heads, else
+        tp_size / num_k_heads (consecutive ranks; rank i holds key head i // replicas)."""
         self.check_tensor_parallel_size(tp_size)
+        return max(1, tp_size // self.num_k_heads)
+
+    def local(self, tp_size: int) -> "LinearAttentionConfig":
+        """The config of one TP rank's shard: 1/tp_size of the value heads, and 1/tp_size of the
+        key heads (one key head when tp_size is beyond them)."""
+        replicas = self.key_head_replicas(tp_size)
         return dataclasses.replace(
-            self, num_k_heads=self.num_k_heads // tp_size, num_v_heads=self.num_v_heads // tp_size
+            self, num_k_heads=self.num_k_heads * replicas // tp_size, num_v_heads=self.num_v_heads // tp_size
         )
 
 

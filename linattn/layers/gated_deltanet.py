@@ -37,11 +37,11 @@ class GatedDeltaNet(HeadShardedLinearAttention):
             # head): the weight rows are gathered into block-major order so each projection writes
             # its output contiguously, with no copy of the activations
             rows = self._qwen3_next_rows(x.device)
-            qkv = self.in_proj_qkvz.weight[rows["qkv"]].split([c.key_dim, c.key_dim, c.value_dim], dim=0)
+            q, k, v = self.in_proj_qkvz.weight[rows["qkv"]].split([c.key_dim, c.key_dim, c.value_dim], dim=0)
             b, a = self.in_proj_ba.weight[rows["ba"]].split(c.num_v_heads, dim=0)
-            return [F.linear(x, part) for part in qkv], F.linear(x, b), F.linear(x, a)
-        w = self.in_proj_qkv.weight
-        qkv = [F.linear(x, part) for part in w.split([c.key_dim, c.key_dim, c.value_dim], dim=0)]
+            return [F.linear(x, w) for w in (self._key_head(q), self._key_head(k), v)], F.linear(x, b), F.linear(x, a)
+        q, k, v = self.in_proj_qkv.weight.split([c.key_dim, c.key_dim, c.value_dim], dim=0)
+        qkv = [F.linear(x, w) for w in (self._key_head(q), self._key_head(k), v)]
         return qkv, F.linear(x, self.in_proj_b.weight), F.linear(x, self.in_proj_a.weight)
 
     def _project_output_gate(self, x: torch.Tensor) -> torch.Tensor:
@@ -75,8 +75,8 @@ class GatedDeltaNet(HeadShardedLinearAttention):
         c = self.local_config
         T = x.shape[1]
         qkv, b, a = self._project_inputs(x)
-        weights = self.conv1d.weight.squeeze(1).split([c.key_dim, c.key_dim, c.value_dim], dim=0)
-        q, k, v = self._short_conv(qkv, list(weights), cu_seqlens, cp_context, carry)
+        q_w, k_w, v_w = self.conv1d.weight.squeeze(1).split([c.key_dim, c.key_dim, c.value_dim], dim=0)
+        q, k, v = self._short_conv(qkv, [self._key_head(q_w), self._key_head(k_w), v_w], cu_seqlens, cp_context, carry)
         del qkv  # the projections are the conv's inputs only: without grad, not held through the recurrence
         q = q.reshape(1, T, c.num_k_heads, c.head_k_dim)
         k = k.reshape(1, T, c.num_k_heads, c.head_k_dim)

@@ -37,8 +37,10 @@ class KimiDeltaAttention(HeadShardedLinearAttention):
         T = x.shape[1]
         HV, dk, dv = c.num_v_heads, c.head_k_dim, c.head_v_dim
         q, k, v = self._short_conv(
-            [F.linear(x, self.q_proj.weight), F.linear(x, self.k_proj.weight), F.linear(x, self.v_proj.weight)],
-            [self.q_conv1d.weight.squeeze(1), self.k_conv1d.weight.squeeze(1), self.v_conv1d.weight.squeeze(1)],
+            [F.linear(x, self._key_head(self.q_proj.weight)), F.linear(x, self._key_head(self.k_proj.weight)),
+             F.linear(x, self.v_proj.weight)],
+            [self._key_head(self.q_conv1d.weight).squeeze(1), self._key_head(self.k_conv1d.weight).squeeze(1),
+             self.v_conv1d.weight.squeeze(1)],
             cu_seqlens, cp_context, carry)
         q = q.reshape(1, T, c.num_k_heads, dk)
         k = k.reshape(1, T, c.num_k_heads, dk)

@@ -7,7 +7,8 @@
                float64 layer, float32 otherwise (fla's state dtype)
 
 TP gives rank i the state of its heads, as it gives it their weights (`state_dict`): the i-th
-rows of each conv block, the i-th contiguous group of value heads of the recurrent state.
+rows of each conv block, the i-th contiguous group of value heads of the recurrent state; beyond
+the key heads the q and k conv channels of the rank's key head, as its replicas all hold them.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from .config import LinearAttentionConfig
+from .state_dict import ParameterLayout, shard_rows, unshard_rows
 
 __all__ = ["LayerState", "check_layer_state", "shard_layer_state", "unshard_layer_state"]
 
@@ -28,8 +30,9 @@ class LayerState(NamedTuple):
     recurrent: torch.Tensor
 
 
-def _blocks(config: LinearAttentionConfig) -> tuple[int, int, int]:
-    return (config.key_dim, config.key_dim, config.value_dim)
+def _conv_layout(config: LinearAttentionConfig) -> ParameterLayout:
+    """The conv state's channels: [q | k | v] blocks, q and k of key heads."""
+    return ParameterLayout((), "row_blocks", (config.key_dim, config.key_dim, config.value_dim), (True, True, False))
 
 
 def check_layer_state(state, config: LinearAttentionConfig, num_sequences: int, name: str = "state") -> LayerState:
@@ -49,11 +52,11 @@ def check_layer_state(state, config: LinearAttentionConfig, num_sequences: int, 
 
 def shard_layer_state(state, config: LinearAttentionConfig, tp_rank: int, tp_size: int) -> LayerState:
     """The TP rank's part of the replicated layer's state (`config` the replicated layer's)."""
-    config.check_tensor_parallel_size(tp_size)
+    replicas = config.key_head_replicas(tp_size)
     if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
     conv, recurrent = check_layer_state(state, config, _num_sequences(state))
-    conv = torch.cat([b.chunk(tp_size, dim=1)[tp_rank] for b in conv.split(_blocks(config), dim=1)], dim=1)
+    conv = shard_rows(conv, _conv_layout(config), tp_rank, tp_size, replicas, dim=1)
     return LayerState(conv.contiguous(), recurrent.chunk(tp_size, dim=1)[tp_rank].contiguous())
 
 
@@ -61,10 +64,9 @@ def unshard_layer_state(states, config: LinearAttentionConfig) -> LayerState:
     """Inverse of shard_layer_state: the replicated layer's state from the TP ranks', in rank order."""
     if isinstance(states, LayerState) or not len(states):
         raise ValueError("states must be a non-empty sequence of per-rank LayerStates in TP rank order")
-    local = config.local(len(states))
+    local, replicas = config.local(len(states)), config.key_head_replicas(len(states))
     states = [check_layer_state(s, local, _num_sequences(s), f"states[{i}]") for i, s in enumerate(states)]
-    per_block = zip(*(s.conv.split(_blocks(local), dim=1) for s in states))
-    conv = torch.cat([torch.cat(blocks, dim=1) for blocks in per_block], dim=1)
+    conv = unshard_rows([s.conv for s in states], _conv_layout(config), _conv_layout(local), replicas, dim=1)
     return LayerState(conv, torch.cat([s.recurrent for s in states], dim=1))
 
 

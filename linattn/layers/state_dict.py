@@ -9,10 +9,18 @@ heads; every tensor is split one of four ways:
     row_blocks  dim 0 is a concatenation of blocks ([q | k | v]); each block splits by rows
     replicated  every rank holds the whole tensor (norm weight, KDA's f_a_proj / g_a_proj)
 
+TP beyond the key heads (tp_size a multiple of num_k_heads that divides num_v_heads): each key
+head is replicated over tp_size / num_k_heads consecutive ranks (`key_head_replicas`), which
+split its value heads. The rows of key-head parts (q and k, `key_blocks`) then split over the
+key heads, each replica holding its key head's whole; value-head parts split over tp_size as
+always. The replicas' gradients of a key-head part are summed over the replicas inside the
+layer's backward, so every replica holds the same, and unsharding takes the first replica's.
+
 Layouts (HF order; H key heads, HV value heads, r = HV / H, dk / dv head dims):
 
     qwen3_next  in_proj_qkvz [H x (q dk, k dk, v r*dv, z r*dv), hidden]  rows: grouped per key head
                 in_proj_ba   [H x (b r, a r), hidden]                     rows: grouped per key head
+                             (groups = H; blocks: the parts of one group)
                 conv1d       [q H*dk | k H*dk | v HV*dv, 1, W]            row_blocks (HF concatenates
                              q, k, v after ungrouping, so the conv channels are block-major)
     qwen3_5     in_proj_qkv  [q H*dk | k H*dk | v HV*dv, hidden]          row_blocks (feeds the conv as is)
@@ -45,6 +53,8 @@ __all__ = [
     "canonical_tensor",
     "shard_state_dict",
     "unshard_state_dict",
+    "shard_rows",
+    "unshard_rows",
 ]
 
 SPLITS = ("rows", "cols", "row_blocks", "replicated")
@@ -56,30 +66,34 @@ FLATTENABLE = ("A_log", "dt_bias")
 class ParameterLayout:
     shape: tuple[int, ...]
     split: str
-    blocks: tuple[int, ...] = ()  # row_blocks only: block sizes along dim 0
+    blocks: tuple[int, ...] = ()  # row_blocks: block sizes along dim 0; grouped rows: the parts of one group
+    key_blocks: tuple[bool, ...] = ()  # per block (or the whole tensor): rows of key heads
+    groups: int = 1  # rows grouped per key head (qwen3_next's fused projections)
 
 
 def parameter_layouts(config: LinearAttentionConfig) -> dict[str, ParameterLayout]:
     """Name -> (shape, split) of every parameter of the replicated layer, in registration order."""
     c = config
     hidden, kd, vd, hv, W = c.hidden_size, c.key_dim, c.value_dim, c.num_v_heads, c.conv_size
-    qkv_blocks = (kd, kd, vd)
+    H, r, dk, dv = c.num_k_heads, c.v_heads_per_k_head, c.head_k_dim, c.head_v_dim
+    qkv_blocks, qkv_keys = (kd, kd, vd), (True, True, False)
     L = ParameterLayout
     if c.family == "qwen3_next":
         layouts = {
-            "in_proj_qkvz.weight": L((2 * kd + 2 * vd, hidden), "rows"),
-            "in_proj_ba.weight": L((2 * hv, hidden), "rows"),
+            "in_proj_qkvz.weight": L((2 * kd + 2 * vd, hidden), "rows", (dk, dk, r * dv, r * dv),
+                                     (True, True, False, False), H),
+            "in_proj_ba.weight": L((2 * hv, hidden), "rows", (r, r), (False, False), H),
         }
     elif c.family == "qwen3_5":
         layouts = {
-            "in_proj_qkv.weight": L((c.conv_dim, hidden), "row_blocks", qkv_blocks),
+            "in_proj_qkv.weight": L((c.conv_dim, hidden), "row_blocks", qkv_blocks, qkv_keys),
             "in_proj_z.weight": L((vd, hidden), "rows"),
             "in_proj_b.weight": L((hv, hidden), "rows"),
             "in_proj_a.weight": L((hv, hidden), "rows"),
         }
     if c.family in ("qwen3_next", "qwen3_5"):
         layouts.update({
-            "conv1d.weight": L((c.conv_dim, 1, W), "row_blocks", qkv_blocks),
+            "conv1d.weight": L((c.conv_dim, 1, W), "row_blocks", qkv_blocks, qkv_keys),
             "dt_bias": L((hv,), "rows"),
             "A_log": L((hv,), "rows"),
             "norm.weight": L((c.head_v_dim,), "replicated"),
@@ -87,11 +101,11 @@ def parameter_layouts(config: LinearAttentionConfig) -> dict[str, ParameterLayou
         })
         return layouts
     layouts = {
-        "q_proj.weight": L((kd, hidden), "rows"),
-        "k_proj.weight": L((kd, hidden), "rows"),
+        "q_proj.weight": L((kd, hidden), "rows", key_blocks=(True,)),
+        "k_proj.weight": L((kd, hidden), "rows", key_blocks=(True,)),
         "v_proj.weight": L((vd, hidden), "rows"),
-        "q_conv1d.weight": L((kd, 1, W), "rows"),
-        "k_conv1d.weight": L((kd, 1, W), "rows"),
+        "q_conv1d.weight": L((kd, 1, W), "rows", key_blocks=(True,)),
+        "k_conv1d.weight": L((kd, 1, W), "rows", key_blocks=(True,)),
         "v_conv1d.weight": L((vd, 1, W), "rows"),
         "f_a_proj.weight": L((c.head_v_dim, hidden), "replicated"),
         "f_b_proj.weight": L((hv * c.head_k_dim, c.head_v_dim), "rows"),
@@ -129,9 +143,44 @@ def _check_keys(state_dict, layouts, what: str) -> None:
         raise ValueError(f"{what} keys must match the layer's parameters: missing {missing}, unexpected {unexpected}")
 
 
+def shard_rows(full: torch.Tensor, layout: ParameterLayout, tp_rank: int, tp_size: int, replicas: int,
+               dim: int = 0) -> torch.Tensor:
+    """TP rank `tp_rank`'s rows (along `dim`) of a "rows" / "row_blocks" tensor: value-head rows
+    split over tp_size, key-head rows over the tp_size / replicas key-head shards."""
+    key_shards, key_index = tp_size // replicas, tp_rank // replicas
+    if layout.groups > 1:  # grouped per key head: this rank's groups, then its share of their value parts
+        grouped = full.unflatten(dim, (layout.groups, -1)).chunk(key_shards, dim=dim)[key_index]
+        parts = [p if key else p.chunk(replicas, dim=dim + 1)[tp_rank % replicas]
+                 for p, key in zip(grouped.split(layout.blocks, dim=dim + 1), layout.key_blocks)]
+        return torch.cat(parts, dim=dim + 1).flatten(dim, dim + 1)
+    blocks = layout.blocks or (full.shape[dim],)
+    keys = layout.key_blocks or (False,) * len(blocks)
+    return torch.cat([b.chunk(key_shards, dim=dim)[key_index] if key else b.chunk(tp_size, dim=dim)[tp_rank]
+                      for b, key in zip(full.split(blocks, dim=dim), keys)], dim=dim)
+
+
+def unshard_rows(pieces, layout: ParameterLayout, local_layout: ParameterLayout, replicas: int,
+                 dim: int = 0) -> torch.Tensor:
+    """Inverse of shard_rows over the TP ranks' pieces in rank order; a key-head part is taken
+    from the first of its replicas."""
+    tp_size = len(pieces)
+    firsts = range(0, tp_size, replicas)
+    if layout.groups > 1:
+        per_rank = [p.unflatten(dim, (local_layout.groups, -1)).split(local_layout.blocks, dim=dim + 1)
+                    for p in pieces]
+        groups = [torch.cat([per_rank[g][j] if key else torch.cat([r[j] for r in per_rank[g:g + replicas]], dim=dim + 1)
+                             for j, key in enumerate(layout.key_blocks)], dim=dim + 1) for g in firsts]
+        return torch.cat(groups, dim=dim).flatten(dim, dim + 1)
+    blocks = local_layout.blocks or (pieces[0].shape[dim],)
+    keys = layout.key_blocks or (False,) * len(blocks)
+    per_rank = [p.split(blocks, dim=dim) for p in pieces]
+    return torch.cat([torch.cat([per_rank[g][j] for g in firsts] if key else [r[j] for r in per_rank], dim=dim)
+                      for j, key in enumerate(keys)], dim=dim)
+
+
 def shard_state_dict(state_dict, config: LinearAttentionConfig, tp_rank: int, tp_size: int) -> dict[str, torch.Tensor]:
     """The TP rank's shard of a replicated-layer state dict (or gradient dict), HF names kept."""
-    config.check_tensor_parallel_size(tp_size)
+    replicas = config.key_head_replicas(tp_size)
     if not isinstance(tp_rank, int) or not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
     layouts = parameter_layouts(config)
@@ -141,12 +190,10 @@ def shard_state_dict(state_dict, config: LinearAttentionConfig, tp_rank: int, tp
         full = canonical_tensor(name, state_dict[name], layout.shape)
         if layout.split == "replicated":
             piece = full
-        elif layout.split == "rows":
-            piece = full.chunk(tp_size, dim=0)[tp_rank]
         elif layout.split == "cols":
             piece = full.chunk(tp_size, dim=1)[tp_rank]
-        else:  # row_blocks: this rank's rows of every block, blocks kept in order
-            piece = torch.cat([b.chunk(tp_size, dim=0)[tp_rank] for b in full.split(layout.blocks, dim=0)], dim=0)
+        else:  # rows, row_blocks: this rank's heads of every block, blocks kept in order
+            piece = shard_rows(full, layout, tp_rank, tp_size, replicas)
         shard[name] = piece.contiguous()
     return shard
 
@@ -154,13 +201,14 @@ def shard_state_dict(state_dict, config: LinearAttentionConfig, tp_rank: int, tp
 def unshard_state_dict(shards, config: LinearAttentionConfig) -> dict[str, torch.Tensor]:
     """Inverse of shard_state_dict: the replicated-layer dict from the shards in TP rank order.
 
-    Replicated entries are taken from rank 0 (after the layer's TP all-reduce of their gradients
-    every rank holds the same sum).
+    Replicated entries are taken from rank 0, and key-head parts replicated beyond the key heads
+    from their first replica (after the layer's all-reduce of their gradients every replica
+    holds the same sum).
     """
     if isinstance(shards, dict) or not len(shards):
         raise ValueError("shards must be a non-empty sequence of per-rank dicts in TP rank order")
     tp_size = len(shards)
-    local = config.local(tp_size)
+    local, replicas = config.local(tp_size), config.key_head_replicas(tp_size)
     layouts, local_layouts = parameter_layouts(config), parameter_layouts(local)
     for rank, shard in enumerate(shards):
         _check_keys(shard, layouts, f"shards[{rank}]")
@@ -169,12 +217,8 @@ def unshard_state_dict(shards, config: LinearAttentionConfig) -> dict[str, torch
         pieces = [canonical_tensor(name, shard[name], local_layouts[name].shape) for shard in shards]
         if layout.split == "replicated":
             full[name] = pieces[0]
-        elif layout.split == "rows":
-            full[name] = torch.cat(pieces, dim=0)
         elif layout.split == "cols":
             full[name] = torch.cat(pieces, dim=1)
         else:
-            local_blocks = local_layouts[name].blocks
-            per_block = zip(*(p.split(local_blocks, dim=0) for p in pieces))
-            full[name] = torch.cat([torch.cat(blocks, dim=0) for blocks in per_block], dim=0)
+            full[name] = unshard_rows(pieces, layout, local_layouts[name], replicas)
     return full

@@ -7,6 +7,8 @@ Each function is named by what it does forward, and its backward is the adjoint:
     scatter_to_sequence_parallel_region       fwd split tokens  bwd all-gather tokens
     gather_from_sequence_parallel_region      fwd all-gather    bwd reduce-scatter
     reduce_scatter_to_sequence_parallel_region fwd reduce-scatter bwd all-gather
+    copy_to_key_head_replicas                 fwd identity      bwd all-reduce over the ranks
+                                                                    holding the same key head
 
 Layers call these, never raw collectives. A group of None (no parallelism) or of one rank makes
 every function the identity. Sequence-parallel functions split / gather along `dim` (tokens are
@@ -26,6 +28,7 @@ __all__ = [
     "scatter_to_sequence_parallel_region",
     "gather_from_sequence_parallel_region",
     "reduce_scatter_to_sequence_parallel_region",
+    "copy_to_key_head_replicas",
 ]
 
 TOKEN_DIM = 1
@@ -123,6 +126,40 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+def _sum_over_replicas(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
+    """The sum of `x` over this rank's replica group: the `replicas` consecutive ranks of `group`
+    that hold the same key head. One all-reduce over `group` of a buffer with a row per replica
+    group, each rank writing its own row (the others' rows stay zero)."""
+    size = group_size(group)
+    if replicas == 1 or size == 1:
+        return x
+    index = group_rank(group) // replicas
+    buffer = x.new_zeros((size // replicas,) + tuple(x.shape))
+    buffer[index] = x
+    dist.all_reduce(buffer, group=group)
+    return buffer[index].clone()
+
+
+class _CopyToKeyHeadReplicas(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, replicas):
+        ctx.group, ctx.replicas = group, replicas
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sum_over_replicas(grad, ctx.group, ctx.replicas), None, None
+
+
+def copy_to_key_head_replicas(x: torch.Tensor, group, replicas: int) -> torch.Tensor:
+    """A key-head weight that `replicas` consecutive ranks of `group` each hold whole (TP beyond
+    the key heads): forward identity, backward its gradient summed over those ranks only (each
+    holds a partial: the gradient through its own value heads)."""
+    if replicas == 1:
+        return x
+    return _CopyToKeyHeadReplicas.apply(x, group, replicas)
 
 
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:

@@ -1,11 +1,12 @@
-"""Float64 references for every op: short conv, gated delta rule (GDN) and KDA.
+"""Float64 references for every op: short conv, gated delta rule (GDN), KDA and gated DeltaProduct.
 
 Output is float64 whatever the input dtype (compute_dtype=float32 runs the same math in float32
 for the CPU kernels). Packed sequences come in through `cu_seqlens`, with fla's argument order and
 shapes. Input rules live in `linattn.checks`.
 """
 
+from .delta_product import gated_delta_product
 from .delta_rule import gated_delta_rule, kda
 from .short_conv import short_conv
 
-__all__ = ["gated_delta_rule", "kda", "short_conv"]
+__all__ = ["gated_delta_product", "gated_delta_rule", "kda", "short_conv"]

@@ -18,16 +18,28 @@ pytest:
     state_pool           the same calls against a pool of state slots, padded decode batches,
                          freed and reused slots (`StatePoolPath`, `assert_state_pool_parity`)
     state_pool_rank      ... and what each rank runs
+    spec_decode          verify calls of K drafts accepting j of them, against the serial run
+                         (`SpecDecodePath`, `SpecPlan`, `assert_spec_decode_parity`)
+    spec_decode_rank     ... and what each rank runs
+    padded               padded batches `[B, T, hidden]` with an attention mask, left or right
+                         padded, cut into calls (`PaddedStatePath`, `assert_padded_continuation_parity`)
+    padded_rank          ... and what each rank runs
+    long_decode          many decode steps in the ranks' dtype: the state's dtype contract and
+                         its error growth against the float64 serial run (`assert_long_decode_parity`)
 """
 
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
 from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
+from .long_decode import assert_long_decode_parity
+from .padded import PaddedStatePath, assert_padded_continuation_parity
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
+from .spec_decode import SpecDecodePath, SpecPlan, assert_spec_decode_parity
 from .state_pool import StatePoolPath, assert_state_pool_parity
 from .training_step import assert_training_parity
 
 __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StateInvisibleWarning", "StatePath",
-           "StatePoolPath", "assert_state_pool_parity",
+           "StatePoolPath", "assert_state_pool_parity", "SpecDecodePath", "SpecPlan", "assert_spec_decode_parity",
+           "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

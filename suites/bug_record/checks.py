@@ -3,18 +3,22 @@ record's sizes: one tiny GatedDeltaNet (qwen3_5 layout, 4 key heads, 2 value hea
 conv width 4), float64 unless a check says otherwise. Each check is the public one a client calls:
 
     tp-parity      assert_sharded_parity at TP 2 (output, dx, every parameter gradient)
+    tp-replicated  assert_sharded_parity at TP 4 beyond the key heads: 2 key heads (8 value heads),
+                   each key head replicated over 2 ranks
     cp-parity      assert_sharded_parity at CP 2, contiguous
     cp-short       assert_sharded_parity at CP 4 on 8 tokens: pieces of 2 < W-1 tokens
     oracle         the replicated layer against the HF-written composition over linattn.reference
                    (suites/cpu/library/test_layer_math.py's oracle, recurrent mode)
     continuation   assert_continuation_parity at TP 2: chunked prefill and decode vs one forward
     continuation-fp32  the same with the ranks' layer in float32 (<= 1e-5)
+    state-pool     assert_state_pool_parity at TP 2: the slot-pool client (suites/state_pool_clients.py),
+                   2 sequences live at once (slots freed and reused), decode padded to 4 rows
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
 
 `run(spawn, check, subject)` raises AssertionError with the check's report when it fails; the
-subject is what the check takes (a ShardedLayer, a StatePath, a layer class, a TrainingStep and
-its layer), None for the project's own. Reference runs are cached: the rows of one check share one.
+subject is what the check takes (a ShardedLayer, a StatePath, a StatePoolPath, a layer class, a
+TrainingStep and its layer), None for the project's own. Reference runs are cached: the rows of one check share one.
 """
 
 from __future__ import annotations
@@ -28,29 +32,38 @@ import torch
 
 from layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
 from linattn.layers import build_layer
-from pytest_linattn.harness import (Placement, TrainingStep, assert_continuation_parity, assert_sharded_parity,
-                                    assert_training_parity)
+from pytest_linattn.harness import (Placement, SequencePlan, TrainingStep, assert_continuation_parity,
+                                    assert_sharded_parity, assert_state_pool_parity, assert_training_parity)
+from state_pool_clients import linattn_pool_path
 from pytest_linattn.parity import assert_parity
 
 CONFIG = make_config("qwen3_5", 2)
 RTOL = 1e-10
 SEED = 44
+REPLICATED_CONFIG = dataclasses.replace(CONFIG, num_k_heads=2)  # TP 4: 2 replicas per key head
 CU = [0, 1, 14, 24, 32]  # a 1-token sequence; sequences crossing the CP 2 shard edge
 CU_SHORT = [0, 1, 8]  # at CP 4 every piece holds 2 tokens, fewer than W-1 = 3
 STATE_SEQLENS = (14, 12, 10, 7)  # cut by plan_cuts into 1+3+8, 4+6, 8, 3+.. chunks, then 2 decode steps
 STATE_CU = torch.tensor([0, *STATE_SEQLENS]).cumsum(0).to(torch.int32)
 CUT_CHUNK = 8  # plan_cuts' chunk size: cuts at 8, 7 and 9 tokens
+# the state-pool check's schedule over STATE_SEQLENS: chunks, then decode steps; with 2 live at once
+# sequences 2 and 3 take freed slots, and a decode padded to 4 rows runs while slot 0's sequence
+# is in a prefill call
+POOL_PLANS = (SequencePlan((1, 5, 6), 2), SequencePlan((4, 6), 2), SequencePlan((8,), 2), SequencePlan((3,), 4))
+POOL_CAPTURE_SIZES = (4,)
 TRAINING_PACKINGS = [[0, 1, 14, 24, 32], [0, 5, 24, 32]]  # one length, two packings
 MAX_NORM = 0.05  # under every step's gradient norm: clipping bites
 FLOAT32_RTOL = 1e-5
 
 CHECKS = {
     "tp-parity": "TP parity (`assert_sharded_parity`, TP 2)",
+    "tp-replicated": "TP parity beyond the key heads (`assert_sharded_parity`, TP 4, 2 key heads)",
     "cp-parity": "CP parity (`assert_sharded_parity`, CP 2)",
     "cp-short": "CP parity, pieces shorter than W-1 (`assert_sharded_parity`, CP 4, 8 tokens)",
     "oracle": "oracle (`test_layer_math.py` composition over `linattn.reference`)",
     "continuation": "continuation (`assert_continuation_parity`, TP 2, float64)",
     "continuation-fp32": "continuation (`assert_continuation_parity`, TP 2, float32 at 1e-5)",
+    "state-pool": "state pool (`assert_state_pool_parity`, TP 2, slots reused, decode padded to 4 rows)",
     "training-tp": "training step (`assert_training_parity`, TP 2)",
     "training-cp": "training step (`assert_training_parity`, CP 2)",
 }
@@ -64,9 +77,17 @@ def reference(cls=None):
     return layer
 
 
-def _parity(spawn, layer, placement, cu, ref=None):
-    assert_sharded_parity(spawn, layer or linattn_layer(CONFIG), ref or reference(), [placement], cu,
-                          hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
+@functools.lru_cache(maxsize=1)
+def replicated_heads_reference():
+    """The replicated layer of REPLICATED_CONFIG (float64, seeded weights)."""
+    layer = build_layer(REPLICATED_CONFIG, dtype=torch.float64)
+    layer.load_state_dict(random_state_dict(REPLICATED_CONFIG, SEED))
+    return layer
+
+
+def _parity(spawn, layer, placement, cu, ref=None, config=CONFIG):
+    assert_sharded_parity(spawn, layer or linattn_layer(config), ref or reference(), [placement], cu,
+                          hidden_size=config.hidden_size, seed=SEED, rtol=RTOL, name="record")
 
 
 @functools.lru_cache(maxsize=1)
@@ -114,6 +135,12 @@ def continuation(spawn, path, dtype=torch.float64, rtol=RTOL):
                                chunk_size=CUT_CHUNK, dtype=dtype, name="record")
 
 
+def state_pool(spawn, path=None):
+    assert_state_pool_parity(spawn, path or linattn_pool_path(CONFIG), reference(), [Placement(tp=2)], STATE_CU,
+                             plans=POOL_PLANS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, max_live=2,
+                             capture_sizes=POOL_CAPTURE_SIZES, name="record")
+
+
 def training(spawn, subject, placement):
     layer, step = subject or (None, None)
     steps = assert_training_parity(spawn, layer or linattn_layer(CONFIG), reference(), [placement], TRAINING_PACKINGS,
@@ -126,6 +153,8 @@ def run(spawn, check, subject=None):
     """Run `check` (a CHECKS key) on `subject` (None: the project's layer)."""
     if check == "tp-parity":
         return _parity(spawn, subject, Placement(tp=2), CU)
+    if check == "tp-replicated":
+        return _parity(spawn, subject, Placement(tp=4), CU, replicated_heads_reference(), REPLICATED_CONFIG)
     if check == "cp-parity":
         return _parity(spawn, subject, Placement(cp=2), CU)
     if check == "cp-short":
@@ -136,6 +165,8 @@ def run(spawn, check, subject=None):
         return continuation(spawn, subject)
     if check == "continuation-fp32":
         return continuation(spawn, subject, dtype=torch.float32, rtol=FLOAT32_RTOL)
+    if check == "state-pool":
+        return state_pool(spawn, subject)
     if check == "training-tp":
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":

@@ -190,23 +190,17 @@ def planted_layer(config, cls=None, **fields):
     return dataclasses.replace(layer, **fields)
 
 
-# ---- classes without a check: the closest check runs, and cannot see them ------------------------
-
-
 def shard_gate_unsliced_beyond_key_heads(config, full, placement, tp_rank):
     """miles #972 / vLLM #13660's class: with TP > key heads each key head is replicated over
-    tp / H ranks, and the output gate (in_proj_z) is handed whole instead of sliced by value head.
-    Below that (tp <= key heads, all the checks can place) the shard is the project's."""
-    if placement.tp <= config.num_k_heads:
-        return shard_state_dict(full, config, tp_rank, placement.tp)
-    H, dk = config.num_k_heads, config.head_k_dim
-    head = tp_rank * H // placement.tp
-    local = {}
-    q, k, v = full["in_proj_qkv.weight"].split([config.key_dim, config.key_dim, config.value_dim])
-    rows = slice(head * dk, (head + 1) * dk)
-    local["in_proj_qkv.weight"] = torch.cat([q[rows], k[rows], v.chunk(placement.tp)[tp_rank]])
-    local["in_proj_z.weight"] = full["in_proj_z.weight"]  # the bug: not sliced
-    return local
+    tp / H ranks, which split its value heads; the output gate (in_proj_z) is sliced by key head
+    only, so every replica gets the first replica's gate rows instead of its own value heads'."""
+    shard = shard_state_dict(full, config, tp_rank, placement.tp)
+    first = tp_rank - tp_rank % config.key_head_replicas(placement.tp)
+    shard["in_proj_z.weight"] = shard_state_dict(full, config, first, placement.tp)["in_proj_z.weight"]
+    return shard
+
+
+# ---- classes without a check: the closest check runs, and cannot see them ------------------------
 
 
 def decoder_call(module, x, cu_seqlens=None, position_ids=None):

@@ -4,7 +4,9 @@ placement)`, as an engine or a model's cache code calls the layer), and layer su
 decode step alone carries the bug. Module-level: spawn's ranks get them by reference.
 
 Every plant here runs only on the stateful path (a call from a carried state, a decode step), so
-the continuation check, which compares the calls with one full forward, is the check that sees it.
+the continuation check, which compares the calls with one full forward, is the check that sees it;
+a plant of a state-pool client (`decode(module, x, pool, slots, num_valid, placement)`) is seen by
+the state-pool check, which also requires the live slots a call did not schedule to stay unchanged.
 """
 
 from __future__ import annotations
@@ -147,18 +149,16 @@ class DecodeStoringStateInInputDtype(GatedDeltaNet):
         return y, LayerState(new.conv, new.recurrent.to(hidden_states.dtype))
 
 
-def decode_padded_to_a_captured_batch(module, x, state, placement):
-    """vLLM #37728 and siblings: a decode batch padded to a captured graph size; the padding rows
-    point at slot 0 of the state pool and write their state there (a live sequence's slot). The
-    live rows' outputs and states are right: only the pool's slot 0 is overwritten."""
-    N = x.shape[1]
-    captured = N + 2
-    pad_x = torch.cat([x, x.new_zeros(1, captured - N, x.shape[2])], dim=1)
-    pad_state = LayerState(*(torch.cat([s, s[:1].expand(captured - N, *s.shape[1:])]) for s in state))
-    y, new = module.step(pad_x, pad_state)
-    pool = module.__dict__.setdefault("_slot_pool", {})
-    pool[0] = LayerState(*(s[-1].detach() for s in new))  # the last padding row's write to slot 0
-    return y[:, :N], LayerState(*(s[:N] for s in new))
+def decode_writing_padding_rows_through_slot_0(module, x, pool, slots, num_valid, placement):
+    """vLLM #37728 and siblings (a state-pool client's decode, `StatePoolPath.decode`): the
+    captured graph runs every row of a decode padded to its captured size, and the padding rows
+    write their state too, through slot 0 (the padding sentinel read as slot 0, as PAD_SLOT_ID
+    equal to a live slot). The valid rows' outputs and states are right; slot 0 is not."""
+    rows = slots.clamp(min=0)
+    y, new = module.step(x, LayerState(*(f[rows] for f in pool)))
+    for f, n in zip(pool, new):
+        f[rows.flip(0)] = n.flip(0)  # the padding rows, last in the batch, write first: valid rows win ties
+    return y
 
 
 def prefill_writing_a_short_chunk_into_the_prefix_block(module, x, cu_seqlens, state, placement):

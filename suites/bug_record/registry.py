@@ -25,8 +25,9 @@ from collections.abc import Callable
 
 from bug_record import plants_layer as L
 from bug_record import plants_state as S
-from bug_record.checks import CONFIG, MAX_NORM, state_path
+from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
 from pytest_linattn.harness import TrainingStep
+from state_pool_clients import linattn_pool_path
 
 __all__ = ["BUGS", "Bug", "Report", "by_key"]
 
@@ -80,6 +81,10 @@ def _path(layer_cls=None, **fields):
     return make
 
 
+def _pool(**fields):
+    return functools.partial(linattn_pool_path, CONFIG, **fields)
+
+
 def _training(cls=None, layer_fields=None, **step):
     def make():
         return (L.planted_layer(CONFIG, cls, **(layer_fields or {})), TrainingStep(steps=2, max_norm=MAX_NORM, **step))
@@ -101,6 +106,10 @@ def parity_row(name, where):
 
 TOKEN = r"seq \d+ token \d+ \(global \d+\)"
 FIRST_WRONG = r"first wrong token: sequence \d+ \(chunks [\d+]+(, then \d decode steps)?\), "
+POOL_CALL = r"call \d+ \((decode|prefill) of sequences \[[\d, ]+\] in slots \[[\d, ]+\][^)]*\)"
+# a padding row's write to live slot 0 (the call, the slot, its sequence), then the first token it spoils
+POOL_SLOT_0 = (POOL_CALL + r" changed live slot 0 \(sequence \d+, [^)]*\), which it did not schedule: field \w+"
+               r"[\s\S]*?first wrong token: sequence \d+ \([^)]*\) token \d+, " + POOL_CALL + r", its slot 0")
 
 BUGS = (
     Bug("megatron-7452", "1", (gh("NVIDIA/Megatron-LM", 7452),),
@@ -141,10 +150,11 @@ BUGS = (
     Bug("tp-beyond-key-heads", "9", (gh("vllm-project/vllm", 13660), gh("sgl-project/sglang", 20967),
                                      gh("radixark/miles", 972)),
         "with TP > key heads the key heads are replicated and the norm / gate shards become fractional or unsliced",
-        "TP > key heads (GQA/GVA replication)", "No", "tp-parity",
-        _layer(shard=functools.partial(L.shard_gate_unsliced_beyond_key_heads, CONFIG)), "sharded",
-        missing="the TP-beyond-key-heads check: a placement whose shard replicates key heads (linattn and the "
-                "harness refuse a TP size that does not divide the key heads, so the plant's branch never runs)"),
+        "TP > key heads (GQA/GVA replication)", "No", "tp-replicated",
+        functools.partial(L.planted_layer, REPLICATED_CONFIG, None,
+                          shard=functools.partial(L.shard_gate_unsliced_beyond_key_heads, REPLICATED_CONFIG)),
+        "sharded", located=parity_row("record/tp4/seed44 output tp_rank0", TOKEN) + r"[\s\S]*?"
+                           + parity_row("in_proj_z.weight", r"value head \d+, channel \d+, col \d+ \(TP rank [13]\)")),
     Bug("slime-1686", "10", (gh("THUDM/slime", 1686),),
         "cu_seqlens reached the short conv but not chunk_gated_delta_rule, so the recurrence ran through the "
         "packed samples", "packed boundaries", "Check", "oracle", _cls(L.DeltaRuleWithoutBoundaries), "everywhere",
@@ -197,15 +207,14 @@ BUGS = (
         "with prefix caching a chunk shorter than W-1 wrote its conv state into the shared prefix block it read "
         "from; its own block was never written", "state pool (conv)", "No", "continuation",
         _path(prefill=S.prefill_writing_a_short_chunk_into_the_prefix_block), "stateful",
-        missing="the state-pool check: a pool of slots and prefix blocks, a later request restoring from a block "
-                "(the continuation check hands each call its state, no pool)"),
+        missing="the prefix blocks of the state-pool check: shared prefix blocks a later request restores from, "
+                "a chunk's conv state written to its own block (the state-pool check keeps one slot per sequence, "
+                "read and written by that sequence's calls only, so a write to the block it read from is its own)"),
     Bug("vllm-37728-padded-slots", "27", (gh("vllm-project/vllm", 37728), gh("vllm-project/vllm", 49757),
                                           gh("vllm-project/vllm", 55178), gh("NVIDIA/TensorRT-LLM", 13151)),
         "CUDA-graph padded rows or DP dummy runs write state through a padding slot equal to a live slot (0)",
-        "CUDA graph / decode state pool", "No", "continuation", _path(decode=S.decode_padded_to_a_captured_batch),
-        "stateful",
-        missing="the state-pool check: decode padded to a captured size with rows at slot 0, live slots "
-                "required bitwise unchanged (the continuation check keeps no pool)"),
+        "CUDA graph / decode state pool", "No", "state-pool", _pool(decode=S.decode_writing_padding_rows_through_slot_0),
+        "stateful", located=POOL_SLOT_0),
     Bug("sglang-31474", "28", (gh("sgl-project/sglang", 31474),),
         "the KDA backend never wrote mamba track snapshots, so prefix hits restored garbage state",
         "state carry (prefix cache)", "No", "continuation", _path(prefill=S.prefill_without_track_snapshots),

@@ -1,6 +1,6 @@
 """The state-pool mode of the continuation check (`pytest_linattn.harness.assert_state_pool_parity`)
-on linattn's layer through a slot-pool client (defined here: prefill and decode read and write
-the scheduled slots of a pool in place), at TP 2, in float64.
+on linattn's layer through the slot-pool client (suites/state_pool_clients.py: prefill and decode
+read and write the scheduled slots of a pool in place), at TP 2, in float64.
 
 The check pads decode batches to captured sizes with padding rows at a sentinel, at slot 0 and
 at a free slot, and frees and reuses slots mid-run. The correct client passes; two planted bugs
@@ -13,13 +13,13 @@ import functools
 import pytest
 import torch
 
-from layer_parity import linattn_layer, make_config, random_state_dict
+from layer_parity import make_config, random_state_dict
 from linattn.layers import LayerState, build_layer
-from linattn.layers import shard_layer_state, unshard_layer_state
 from pytest_linattn.harness import Placement, SequencePlan
 from pytest_linattn.parity import capture_records
-from pytest_linattn.harness import StatePoolPath, assert_state_pool_parity
+from pytest_linattn.harness import assert_state_pool_parity
 from pytest_linattn.harness.state_pool import pool_schedule
+from state_pool_clients import linattn_pool_path, pool_decode, pool_prefill
 
 CONFIG = make_config("qwen3_5", 1)
 SEQLENS = (9, 6, 7, 5, 8)
@@ -39,28 +39,6 @@ def reference(seed=11):
     return layer
 
 
-def _rows(mask, rows):
-    return mask.view(-1, *[1] * (rows.dim() - 1))
-
-
-def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
-    """Each sequence from its slot (zero when fresh), its final state written back to the slot."""
-    state = LayerState(*(torch.where(_rows(fresh, f[slots]), torch.zeros_like(f[slots]), f[slots]) for f in pool))
-    y, new = module(x, cu_seqlens, state, output_final_state=True)
-    for f, n in zip(pool, new):
-        f[slots] = n
-    return y
-
-
-def pool_decode(module, x, pool, slots, num_valid, placement):
-    """The valid rows only (a captured graph runs every row; its padding writes must go nowhere)."""
-    valid = slots[:num_valid]
-    y, new = module.step(x[:, :num_valid], LayerState(*(f[valid] for f in pool)))
-    for f, n in zip(pool, new):
-        f[valid] = n
-    return torch.cat([y, torch.zeros_like(x[:, num_valid:])], dim=1)
-
-
 def decode_writing_every_row(module, x, pool, slots, num_valid, placement):
     """The padding rows run and write too: a padding row at slot 0 overwrites a live sequence."""
     rows = slots.clamp(min=0)  # the sentinel taken as slot 0, as a kernel that clamps its index
@@ -78,17 +56,8 @@ def prefill_without_reset(module, x, cu_seqlens, pool, slots, fresh, placement):
     return y
 
 
-def _shard(state, placement, tp_rank):
-    return shard_layer_state(state, CONFIG, tp_rank, placement.tp)
-
-
-def _unshard(states, placement):
-    return unshard_layer_state(states, CONFIG)
-
-
 def pool_path(prefill=pool_prefill, decode=pool_decode):
-    return StatePoolPath(linattn_layer(CONFIG), prefill=prefill, decode=decode, shard_state=_shard,
-                         unshard_state=_unshard)
+    return linattn_pool_path(CONFIG, prefill=prefill, decode=decode)
 
 
 def check(spawn, path):

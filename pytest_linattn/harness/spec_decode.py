@@ -1,0 +1,297 @@
+"""The speculative-decoding mode of the state-pool check: verify calls that run K draft tokens of
+every sequence in one call and accept j <= K of them, as a serving engine's MTP or draft-model
+verify step does.
+
+Every sequence holds a slot of a pool (sequence n in slot N - n; slot 0 stays free) that starts
+filled with random values, never zeros. The calls run in order: prefill call k packs the k-th
+chunk of every sequence that has one (its first chunk marked fresh: it starts from zero, whatever
+its slot holds), then verify round r runs K tokens of every sequence that has a round r: the
+sequence's next j tokens (accepted), then K - j random drafts (rejected). The client's verify
+computes all K tokens from the slot's state; its accept then gets `num_accepted_tokens` `[N]` and
+must leave each slot holding the state after the sequence's j-th accepted token (j = 0: the state
+before the call), as vLLM's and fla's `num_accepted_tokens` interface does.
+
+The reference is the float64 serial run of the replicated layer: every sequence token by token
+from zero states, its output and state after every token. After every call, every token's output
+(a draft's: the reference's from the serial state before it) and every scheduled slot's state
+must match it within rtol (relative error per sequence and field); every slot the call did not
+schedule must be bitwise unchanged. A rejected draft leaves no trace: the slot after the call and
+every later output show it if it does. A failure names the call, the slot, the sequence and the
+token. TP placements only; no gradients (serving). This module imports no pytest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import pickle
+from collections.abc import Callable, Sequence
+
+import torch
+
+from linattn.checks import positive_int
+
+from ..parity import check_rtol
+from .cases import ShardedLayer
+from .continuation_report import field_names
+from .placement import Placement
+from .spec_decode_rank import RankSpec, SpecCall, run_spec_on_rank
+
+__all__ = ["SpecDecodePath", "SpecPlan", "assert_spec_decode_parity", "serial_run", "spec_schedule"]
+
+MAX_LISTED = 8  # failures listed per kind; the first (earliest call) is where it went wrong
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecPlan:
+    """One sequence: prefill chunk lengths in order, then one verify round per entry of
+    `accepted`, each accepting that many of its K drafts (0..K)."""
+
+    chunks: tuple[int, ...]
+    accepted: tuple[int, ...]
+
+    def __post_init__(self):
+        if not self.chunks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.chunks):
+            raise ValueError(f"SpecPlan.chunks must be positive ints (at least one chunk), got {self.chunks!r}")
+        if any(isinstance(j, bool) or not isinstance(j, int) or j < 0 for j in self.accepted):
+            raise ValueError(f"SpecPlan.accepted must be ints >= 0 (drafts accepted per verify round), "
+                             f"got {self.accepted!r}")
+
+    @property
+    def length(self) -> int:
+        return sum(self.chunks) + sum(self.accepted)
+
+    def __str__(self) -> str:
+        return f"chunks {'+'.join(map(str, self.chunks))}, then verify rounds accepting {list(self.accepted)}"
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecDecodePath:
+    """How a client's layer runs prefill and verify against a state pool, for
+    `assert_spec_decode_parity`. Callables module-level (spawn pickles them by reference). A pool
+    is a tuple of tensors (the state's fields), each `[P, ...]`, in the TP rank's layout.
+
+    prefill(module, x, cu_seqlens, pool, slots, fresh, placement) -> y: as StatePoolPath's.
+    verify(module, x, cu_seqlens, pool, slots, placement) -> y
+        K tokens of each of N sequences, packed `[1, N*K, hidden]` (cu_seqlens every K), each from
+        its slot's state; returns every token's output. It may keep what accept needs (per-token
+        states, on the module or in spare slots) but must change no slot other than `slots`.
+    accept(module, pool, slots, num_accepted_tokens, placement) -> None
+        num_accepted_tokens `[N]` int64 in 0..K: leave each slot holding the state after its
+        sequence's first j tokens of the last verify call.
+    shard_state(state, placement, tp_rank), unshard_state(states, placement): as StatePath's.
+    """
+
+    layer: ShardedLayer
+    prefill: Callable
+    verify: Callable
+    accept: Callable
+    shard_state: Callable | None = None
+    unshard_state: Callable | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.layer, ShardedLayer):
+            raise ValueError(f"SpecDecodePath.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        for field in ("prefill", "verify", "accept"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"SpecDecodePath.{field} must be callable, got {getattr(self, field)!r}")
+        if (self.shard_state is None) != (self.unshard_state is None):
+            raise ValueError("SpecDecodePath.shard_state and unshard_state are given together (or neither: tp = 1 only)")
+        try:
+            pickle.dumps(self)
+        except Exception as exc:  # noqa: BLE001 - reported as bad input
+            raise ValueError(f"SpecDecodePath's callables must be module-level (spawn pickles them by reference): "
+                             f"{exc}") from None
+
+
+def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.Module,
+                              placements: Sequence[Placement], plans: Sequence[SpecPlan], *, num_draft: int,
+                              hidden_size: int, seed: int, rtol: float, dtype: torch.dtype = torch.float64,
+                              reference_forward: Callable | None = None, name: str = "") -> None:
+    """The client's verify-and-accept path at every TP placement against the float64 serial run
+    of `reference` (the module docstring). num_draft: K, the drafts of every verify call.
+    reference_forward(reference, x, cu_seqlens, state) -> (y, final_state), as the continuation
+    check's (state None: zeros). AssertionError naming the call, slot, sequence and token."""
+    __tracebackhide__ = True
+    if not isinstance(path, SpecDecodePath):
+        raise ValueError(f"path must be a SpecDecodePath, got {type(path).__name__}")
+    positive_int(num_draft, "num_draft")
+    positive_int(hidden_size, "hidden_size")
+    rtol = check_rtol(rtol)
+    plans = list(plans)
+    if not plans or not all(isinstance(pl, SpecPlan) for pl in plans):
+        raise ValueError(f"plans must be a non-empty sequence of SpecPlan, got {plans!r}")
+    for n, pl in enumerate(plans):
+        if any(j > num_draft for j in pl.accepted):
+            raise ValueError(f"plans[{n}].accepted must lie in 0..num_draft ({num_draft}), got {list(pl.accepted)}")
+    placements = list(placements)
+    if not placements:
+        raise ValueError("placements must be a non-empty sequence of Placement")
+    for p in placements:
+        if not isinstance(p, Placement) or p.cp > 1 or p.sequence_parallel:
+            raise ValueError(f"placements must be TP-only Placements (the spec-decode mode runs no CP or SP), got {p!r}")
+        if p.tp > 1 and path.shard_state is None:
+            raise ValueError(f"placement {p.name}: tp > 1 needs SpecDecodePath.shard_state and unshard_state")
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = [pl.length for pl in plans]
+    bounds = [0]
+    for length in lengths:
+        bounds.append(bounds[-1] + length)
+    x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
+    forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
+    serial_y, serial_states = serial_run(forward, reference, x, bounds)
+    N = len(plans)
+    fields = [torch.randn((N + 1,) + tuple(t.shape[2:]), generator=gen, dtype=torch.float64) for t in serial_states]
+    probe = serial_states
+    pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
+    calls = spec_schedule(plans, bounds, x, num_draft, gen)
+    expected = [_expected(forward, reference, call, bounds, serial_y, serial_states, probe) for call in calls]
+    label = f"{name}/" if name else ""
+    reports = []
+    for p in placements:
+        case = RankSpec(path, p, {k: t.detach() for k, t in reference.named_parameters()}, pool, calls, dtype,
+                        field_names(probe))
+        results = spawn(run_spec_on_rank, p.size, case)
+        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, calls, expected, results, rtol, num_draft,
+                        field_names(probe))
+        if report:
+            reports.append(report)
+    if reports:
+        raise AssertionError("\n\n".join(reports))
+
+
+def serial_run(forward, reference, x, bounds):
+    """Every sequence token by token from zero states: outputs `[1, T, hidden]` (float64), and
+    states per field `[N, L + 1, ...]` (index i: the state after the sequence's first i tokens)."""
+    dtype = next(reference.parameters()).dtype
+    N, L = len(bounds) - 1, max(b - a for a, b in zip(bounds[:-1], bounds[1:]))
+    y = torch.zeros(tuple(x.shape), dtype=torch.float64)
+    states, rows = None, None
+    with torch.no_grad():
+        for i in range(L):
+            active = [n for n in range(N) if bounds[n] + i < bounds[n + 1]]
+            cu = torch.arange(len(active) + 1, dtype=torch.int32)
+            tokens = torch.tensor([bounds[n] + i for n in active])
+            state = None if rows is None else _rebuild(rows, [f[active, i].to(dtype) for f in states])
+            y_i, new = forward(reference, x[:, tokens].to(dtype), cu, state)
+            if states is None:  # the state's fields and shapes, learnt from the first call
+                rows = new
+                states = [torch.zeros((N, L + 1) + tuple(t.shape[1:]), dtype=torch.float64) for t in new]
+            y[:, tokens] = y_i.double()
+            for f, t in zip(states, new):
+                f[active, i + 1] = t.double()
+            for f in states:  # a finished sequence keeps its final state
+                for n in range(N):
+                    if bounds[n] + i >= bounds[n + 1]:
+                        f[n, i + 1] = f[n, i]
+    return y, _rebuild(rows, states)
+
+
+def spec_schedule(plans, bounds, x, num_draft, gen) -> list[SpecCall]:
+    """The calls in order (module docstring): the prefill calls, then the verify rounds."""
+    N, K = len(plans), num_draft
+    slot = {n: N - n for n in range(N)}
+    consumed, calls = [0] * N, []
+    for k in range(max(len(pl.chunks) for pl in plans)):
+        seqs = [n for n in range(N) if k < len(plans[n].chunks)]
+        sizes = [plans[n].chunks[k] for n in seqs]
+        parts = [x[:, bounds[n] + consumed[n]:bounds[n] + consumed[n] + s] for n, s in zip(seqs, sizes)]
+        calls.append(SpecCall("prefill", k, tuple(seqs), tuple(slot[n] for n in seqs), torch.cat(parts, dim=1),
+                              _cu(sizes), tuple(k == 0 for _ in seqs), None, tuple(consumed[n] for n in seqs)))
+        for n, s in zip(seqs, sizes):
+            consumed[n] += s
+    for r in range(max((len(pl.accepted) for pl in plans), default=0)):
+        seqs = [n for n in range(N) if r < len(plans[n].accepted)]
+        parts = []
+        for n in seqs:
+            j = plans[n].accepted[r]
+            start = bounds[n] + consumed[n]
+            parts += [x[:, start:start + j], torch.randn(1, K - j, x.shape[2], generator=gen, dtype=torch.float64)]
+        calls.append(SpecCall("verify", r, tuple(seqs), tuple(slot[n] for n in seqs), torch.cat(parts, dim=1),
+                              _cu([K] * len(seqs)), None, tuple(plans[n].accepted[r] for n in seqs),
+                              tuple(consumed[n] for n in seqs)))
+        for n in seqs:
+            consumed[n] += plans[n].accepted[r]
+    return calls
+
+
+def _cu(sizes):
+    return torch.tensor([0, *sizes]).cumsum(0).to(torch.int32)
+
+
+def _expected(forward, reference, call, bounds, serial_y, serial_states, probe):
+    """A call's expected outputs (its sequences' tokens from the serial run; a draft's from the
+    serial state before the call, through the reference) and states after it (per field `[N, ...]`)."""
+    dtype = next(reference.parameters()).dtype
+    rows = torch.tensor(call.sequences)
+    starts = torch.tensor(call.starts)
+    before = _rebuild(probe, [f[rows, starts].to(dtype) for f in serial_states])
+    with torch.no_grad():
+        y, _ = forward(reference, call.x.to(dtype), call.cu_seqlens, before)
+    y = y.double().clone()
+    cu = call.cu_seqlens.tolist()
+    kept = []
+    for i, (n, start) in enumerate(zip(call.sequences, call.starts)):
+        j = cu[i + 1] - cu[i] if call.kind == "prefill" else call.accepted[i]
+        y[:, cu[i]:cu[i] + j] = serial_y[:, bounds[n] + start:bounds[n] + start + j]
+        kept.append(start + j)
+    states = [f[rows, torch.tensor(kept)] for f in serial_states]
+    return dict(y=y, states=states)
+
+
+def _describe_call(i, call, K) -> str:
+    if call.kind == "prefill":
+        return f"call {i} (prefill chunk {call.index + 1} of sequences {list(call.sequences)} in slots {list(call.slots)})"
+    return (f"call {i} (verify round {call.index + 1}: {K} drafts each of sequences {list(call.sequences)} in slots "
+            f"{list(call.slots)}, accepted {list(call.accepted)})")
+
+
+def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> str:
+    outputs, states, changed = [], [], []
+    for r, result in enumerate(results):
+        for i, slot, field, diff in result["changed"]:
+            changed.append(f"{_describe_call(i, calls[i], K)} changed slot {slot}, which it did not schedule: field "
+                           f"{field}, max |change| {diff:.2e} (rank {r})")
+    for i, (call, exp) in enumerate(zip(calls, expected)):
+        cu = call.cu_seqlens.tolist()
+        scale = float(torch.linalg.vector_norm(exp["y"])) / math.sqrt(exp["y"].shape[1]) or 1.0
+        for t_rank in range(p.tp):
+            y = results[t_rank]["calls"][i]["y"].double()
+            err = torch.linalg.vector_norm((y - exp["y"])[0], dim=-1) / scale
+            for k, (n, slot, start) in enumerate(zip(call.sequences, call.slots, call.starts)):
+                bad = torch.nonzero(~(err[cu[k]:cu[k + 1]] <= rtol)).flatten().tolist()
+                if bad:
+                    pos = bad[0]
+                    kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
+                    what = (f"token {start + pos}" if pos < kept else
+                            f"draft {pos + 1} of {K} (rejected; after token {start + kept - 1})")
+                    outputs.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), {what}: "
+                                   f"output error {float(err[cu[k] + pos]):.1e} of the tokens' RMS norm"
+                                   + (f" (tp_rank{t_rank})" if p.tp > 1 else ""))
+        per_rank = [results[t]["calls"][i]["states"] for t in range(p.tp)]
+        got = per_rank[0] if p.tp == 1 else path.unshard_state(per_rank, p)
+        for k, (n, slot, start) in enumerate(zip(call.sequences, call.slots, call.starts)):
+            kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
+            for field, a, e in zip(names, got, exp["states"]):
+                err = float(torch.linalg.vector_norm(a[k].double() - e[k])) / (float(torch.linalg.vector_norm(e[k]))
+                                                                               or 1.0)
+                if not err <= rtol:
+                    after = f"after token {start + kept - 1}" if start + kept else "before its first token (zeros)"
+                    how = "" if call.kind == "prefill" else f", {kept} of {K} drafts accepted"
+                    states.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), state "
+                                  f"{after}{how}: field {field} error {err:.1e}")
+    if not (outputs or states or changed):
+        return ""
+    parts = [f"spec-decode parity failed for {label}: {len(outputs)} wrong output(s), {len(states)} wrong state(s), "
+             f"{len(changed)} unscheduled slot change(s)"]
+    for title, found in (("first wrong outputs (by call)", outputs), ("first wrong states (by call)", states),
+                         ("slots changed without being scheduled", changed)):
+        if found:
+            parts.append(f"{title}:\n" + "\n".join(f"  {f}" for f in found[:MAX_LISTED])
+                         + (f"\n  ... and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""))
+    return "\n".join(parts)
+
+
+def _rebuild(like, fields):
+    return type(like)(*fields) if hasattr(like, "_fields") else type(like)(fields)

@@ -1,0 +1,104 @@
+"""The speculative-decoding mode of the state-pool check (`assert_spec_decode_parity`) on
+linattn's layer through the slot-pool client with verify and accept (`spec_decode_clients`), at
+TP 2, in float64.
+
+Verify calls run 3 drafts of every sequence and accept 0..3 of them (0 and 3 in the same call).
+The correct client passes; two planted bugs each fail with the call, the slot, the sequence and
+the token named: an accept that keeps one rejected draft's update (sglang #27658's and #40419's
+class: a verify that leaves the state advanced or scrambled), and a verify that starts from a
+zeroed state instead of the slot's (sglang #27658: verify replayed from zero-initialised buffers).
+"""
+
+import functools
+
+import pytest
+import torch
+
+from layer_parity import make_config, random_state_dict
+from linattn.layers import LayerState, build_layer
+from pytest_linattn.harness import Placement, SpecPlan, assert_spec_decode_parity
+from pytest_linattn.harness.spec_decode import spec_schedule
+from pytest_linattn.parity import capture_records
+from spec_decode_clients import linattn_spec_path, verify_states
+
+CONFIG = make_config("qwen3_5", 1)
+K = 3
+# a 1-token first chunk, a 4-token chunk from a state; every verify call mixes counts, round 1
+# accepts 2, 3, 0 and 1
+PLANS = [SpecPlan((3,), (2, 0, 3)), SpecPlan((1, 4), (3, 1)), SpecPlan((2,), (0, 2, 1)), SpecPlan((5,), (1, 3, 0))]
+RTOL = 1e-10
+
+
+@functools.lru_cache(maxsize=1)
+def reference(seed=21):
+    layer = build_layer(CONFIG, dtype=torch.float64)
+    layer.load_state_dict(random_state_dict(CONFIG, seed))
+    return layer
+
+
+def accept_keeping_a_rejected_draft(module, pool, slots, num_accepted_tokens, placement):
+    """The state one token past the accepted ones: the first rejected draft's update stays."""
+    rows = torch.arange(slots.numel(), device=slots.device)
+    kept_index = (num_accepted_tokens + 1).clamp(max=module.verify_states[0].shape[0] - 1)
+    for f, kept in zip(pool, module.verify_states):
+        f[slots] = kept[kept_index, rows]
+
+
+def verify_from_zeros(module, x, cu_seqlens, pool, slots, placement):
+    """The drafts replayed from zero-initialised buffers instead of the slot's state."""
+    y, module.verify_states = verify_states(module, x, cu_seqlens,
+                                            LayerState(*(torch.zeros_like(f[slots]) for f in pool)))
+    return y
+
+
+def check(spawn, path):
+    with capture_records():  # the plants' failing comparisons stay out of the session's parity records
+        assert_spec_decode_parity(spawn, path, reference(), [Placement(tp=2)], PLANS, num_draft=K,
+                                  hidden_size=CONFIG.hidden_size, seed=22, rtol=RTOL, name="qwen3_5")
+
+
+def test_schedule_verifies_k_drafts_accepting_0_to_k():
+    x = torch.randn(1, sum(pl.length for pl in PLANS), 4, dtype=torch.float64)
+    bounds = torch.tensor([0] + [pl.length for pl in PLANS]).cumsum(0).tolist()
+    calls = spec_schedule(PLANS, bounds, x, K, torch.Generator().manual_seed(0))
+    verify = [c for c in calls if c.kind == "verify"]
+    assert [c.accepted for c in verify] == [(2, 3, 0, 1), (0, 1, 2, 3), (3, 1, 0)], verify
+    assert all(c.x.shape[1] == K * len(c.sequences) for c in verify)
+    assert sorted(calls[0].slots) == [1, 2, 3, 4]  # slot 0 free: a write there shows
+    # the drafts after the accepted tokens are not the sequence's next tokens
+    first = verify[0]
+    assert torch.equal(first.x[:, :2], x[:, 3:5]) and not torch.equal(first.x[:, 2], x[0, 5])
+
+
+@pytest.mark.tp_sizes(2)
+def test_spec_decode_client_and_plants(spawn, tp_size):
+    check(spawn, linattn_spec_path(CONFIG))  # the correct client passes
+    with pytest.raises(AssertionError) as kept:
+        check(spawn, linattn_spec_path(CONFIG, accept=accept_keeping_a_rejected_draft))
+    report = str(kept.value)
+    # round 1: sequence 0 accepted 2 of 3; its slot holds the state one draft further
+    assert ("call 2 (verify round 1: 3 drafts each of sequences [0, 1, 2, 3] in slots [4, 3, 2, 1], accepted "
+            "[2, 3, 0, 1]): slot 4, sequence 0 (chunks 3, then verify rounds accepting [2, 0, 3]), state after "
+            "token 4, 2 of 3 drafts accepted: field") in report, report
+    assert "slot 3, sequence 1" not in report.split("first wrong states")[1].split("call 3")[0]  # 3 of 3: right
+    with pytest.raises(AssertionError) as zeroed:
+        check(spawn, linattn_spec_path(CONFIG, verify=verify_from_zeros))
+    report = str(zeroed.value)
+    assert ("call 2 (verify round 1: 3 drafts each of sequences [0, 1, 2, 3] in slots [4, 3, 2, 1], accepted "
+            "[2, 3, 0, 1]): slot 4, sequence 0 (chunks 3, then verify rounds accepting [2, 0, 3]), token 3: output "
+            "error") in report, report
+    # j = 0 accepts nothing: its outputs are all drafts, the first one located as such
+    assert "slot 2, sequence 2 (chunks 2, then verify rounds accepting [0, 2, 1]), draft 1 of 3 (rejected; after " \
+           "token 1)" in report, report
+
+
+def test_bad_input_names_the_parameter_and_the_rule():
+    with pytest.raises(ValueError, match=r"plans\[1\]\.accepted must lie in 0\.\.num_draft \(3\), got \[4\]"):
+        assert_spec_decode_parity(None, linattn_spec_path(CONFIG), reference(), [Placement(tp=2)],
+                                  [SpecPlan((2,), (1,)), SpecPlan((2,), (4,))], num_draft=K, hidden_size=20, seed=0,
+                                  rtol=RTOL)
+    with pytest.raises(ValueError, match=r"SpecPlan.accepted must be ints >= 0"):
+        SpecPlan((2,), (-1,))
+    with pytest.raises(ValueError, match=r"TP-only Placements"):
+        assert_spec_decode_parity(None, linattn_spec_path(CONFIG), reference(), [Placement(cp=2)], PLANS,
+                                  num_draft=K, hidden_size=20, seed=0, rtol=RTOL)

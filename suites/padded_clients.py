@@ -1,0 +1,59 @@
+"""A padded-batch client of linattn's layer for `pytest_linattn.harness.assert_padded_continuation_parity`:
+a batch `[B, T, hidden]` with an attention mask becomes packed tokens and `cu_seqlens` (the
+masked tokens of every row, in order, as transformers' models and fla's `unpad_input` do), the
+layer runs from each row's state, and its outputs go back to their columns. A row with no token
+in a call (only pads) keeps its state.
+
+`linattn_padded_path(config, forward=...)`: the harness's PaddedStatePath for a config; a
+planted bug replaces forward (module-level functions: spawn pickles them by reference).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from layer_parity import linattn_layer
+from linattn.layers import LayerState
+from pytest_linattn.harness import PaddedStatePath
+from state_pool_clients import _unshard
+
+__all__ = ["linattn_padded_path", "padded_forward", "run_rows"]
+
+
+def zero_state(module, B, dtype):
+    """An empty cache's state for B rows (the recurrent state float32 unless the layer is float64)."""
+    c = module.local_config
+    recurrent = torch.float64 if dtype == torch.float64 else torch.float32
+    return LayerState(torch.zeros(B, c.conv_dim, c.conv_size - 1, dtype=dtype),
+                      torch.zeros(B, c.num_v_heads, c.head_k_dim, c.head_v_dim, dtype=recurrent))
+
+
+def run_rows(module, x, mask, state):
+    """The masked tokens of every row packed, from each row's state: y `[B, T, hidden]` (pads
+    zero) and every row's state after its tokens (a row without tokens keeps its own)."""
+    lengths = mask.sum(dim=1)
+    rows = torch.nonzero(lengths).flatten()
+    y = torch.zeros_like(x)
+    new_state = LayerState(*(f.clone() for f in state))
+    if rows.numel():
+        cu = torch.cat([lengths.new_zeros(1), lengths[rows].cumsum(0)]).to(torch.int32)
+        y_packed, new = module(x[mask].unsqueeze(0), cu, LayerState(*(f[rows] for f in state)),
+                               output_final_state=True)
+        y[mask] = y_packed[0]
+        for f, n in zip(new_state, new):
+            f[rows] = n.to(f.dtype)
+    return y, new_state
+
+
+def padded_forward(module, x, attention_mask, state, placement):
+    """Unpad, run, repad."""
+    state = zero_state(module, x.shape[0], x.dtype) if state is None else state
+    return run_rows(module, x, attention_mask, state)
+
+
+def linattn_padded_path(config, forward=padded_forward) -> PaddedStatePath:
+    """linattn's layer for `config` through the padded-batch client, its state unsharded over TP
+    as its weights are."""
+    return PaddedStatePath(linattn_layer(config), forward=forward, unshard_state=functools.partial(_unshard, config))
