@@ -24,12 +24,16 @@ pytest:
     padded               padded batches `[B, T, hidden]` with an attention mask, left or right
                          padded, cut into calls (`PaddedStatePath`, `assert_padded_continuation_parity`)
     padded_rank          ... and what each rank runs
+    isolation            document isolation of a whole model or decoder stack on a packed batch:
+                         one document perturbed, the others bitwise unchanged, no gradient across
+                         (`assert_document_isolation`, `PackedDocuments`)
     long_decode          many decode steps in the ranks' dtype: the state's dtype contract and
                          its error growth against the float64 serial run (`assert_long_decode_parity`)
 """
 
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
 from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
+from .isolation import PackedDocuments, assert_document_isolation
 from .long_decode import assert_long_decode_parity
 from .padded import PaddedStatePath, assert_padded_continuation_parity
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
@@ -41,5 +45,6 @@ from .training_step import assert_training_parity
 __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StateInvisibleWarning", "StatePath",
            "StatePoolPath", "assert_state_pool_parity", "SpecDecodePath", "SpecPlan", "assert_spec_decode_parity",
            "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
+           "PackedDocuments", "assert_document_isolation",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]
