@@ -15,6 +15,9 @@ What is emulated, per module (each declares ``PATCHES``):
 
     delta_rules  chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_kda,
                  fused_recurrent_kda, fla's KDA / GDN gate functions, l2norm
+    delta_product  chunk_gated_delta_product (gated DeltaProduct: several steps per token)
+    serving      fused_recurrent_kda_fwd: KDA's state-pool entry (ssm_state_indices,
+                 num_accepted_tokens, inplace_final_state), as vLLM's decode calls it
     conv         causal_conv1d, ShortConvolution
     norm         FusedRMSNormGated and the gated-norm functions
     cp           build_cp_context; the ops' and the conv's ``cp_context=`` run linattn.parallel.cp's

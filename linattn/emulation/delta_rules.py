@@ -114,6 +114,7 @@ def fused_recurrent_gated_delta_rule(
     """fla's fused_recurrent_gated_delta_rule: decay exp(g) per head (g None: none) times exp(gk)
     per key channel (gk `[B, T, HV, K]`, optional); beta None means 1."""
     function = "fused_recurrent_gated_delta_rule"
+    _refuse_pool_arguments(function, kwargs, "fla 0.6.0 has no GDN state pool")
     state_v_first = _state_v_first(state_v_first, kwargs)
     if gv is not None:
         refuse(function, "gv", f"tensor of shape {tuple(gv.shape)}", why="(a decay per value channel) is not emulated")
@@ -225,8 +226,9 @@ def fused_recurrent_kda(
     cu_seqlens: torch.LongTensor | None = None,
     **kwargs,
 ):
-    """fla's fused_recurrent_kda (its other kwargs, as in fla, are not read)."""
+    """fla's fused_recurrent_kda (its other kwargs, as in fla, are not read; the pool's refused)."""
     function = "fused_recurrent_kda"
+    _refuse_pool_arguments(function, kwargs, "fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd takes it")
     state_v_first = _state_v_first(state_v_first, kwargs)
     _refuse_beta_per_value_channel(function, beta, v)
     if use_gate_in_kernel and A_log is None and lower_bound is None:
@@ -364,6 +366,15 @@ def _state_v_first(state_v_first, kwargs):
     warnings.warn("`transpose_state_layout` is deprecated and renamed to `state_v_first`.",
                   DeprecationWarning, stacklevel=3)
     return kwargs.pop("transpose_state_layout")
+
+
+def _refuse_pool_arguments(function, kwargs, where):
+    """The state-pool arguments: fla's public entry drops them into **kwargs (a pool call that ran
+    as one without indices)."""
+    for name in ("ssm_state_indices", "num_accepted_tokens", "inplace_final_state"):
+        if name in kwargs:
+            refuse(function, name, type(kwargs[name]).__name__, why=f"is not emulated: fla 0.6.0's {function} "
+                   f"does not pass it to its kernel (it lands in **kwargs, unread); {where}")
 
 
 def _refuse_beta_per_value_channel(function, beta, v):
