@@ -2,6 +2,9 @@
 shared by the state-pool tests and the bug record: prefill and decode read and write the
 scheduled slots of a pool in place, as a serving engine's layer call does.
 
+The prefill takes the prefix mode's keywords too (`snapshot_slots`, `prefix_slots`): a prefix
+hit reads its prefix block and writes its own slot.
+
 `linattn_pool_path(config, prefill=..., decode=...)`: the harness's StatePoolPath for a config;
 a planted bug replaces prefill or decode (module-level functions: spawn pickles them by reference).
 """
@@ -23,12 +26,18 @@ def _rows(mask, rows):
     return mask.view(-1, *[1] * (rows.dim() - 1))
 
 
-def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
-    """Each sequence from its slot (zero when fresh), its final state written back to the slot."""
-    state = LayerState(*(torch.where(_rows(fresh, f[slots]), torch.zeros_like(f[slots]), f[slots]) for f in pool))
+def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots=None, prefix_slots=None):
+    """Each sequence from its slot (zero when fresh; a prefix hit from its prefix slot), its final
+    state written back to the slot, and to its snapshot slot where it has one."""
+    read = slots if prefix_slots is None else torch.where(prefix_slots >= 0, prefix_slots, slots)
+    state = LayerState(*(torch.where(_rows(fresh, f[read]), torch.zeros_like(f[read]), f[read]) for f in pool))
     y, new = module(x, cu_seqlens, state, output_final_state=True)
     for f, n in zip(pool, new):
         f[slots] = n
+    if snapshot_slots is not None:
+        taken = snapshot_slots >= 0
+        for f, n in zip(pool, new):
+            f[snapshot_slots[taken]] = n[taken]
     return y
 
 

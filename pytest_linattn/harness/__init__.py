@@ -10,6 +10,8 @@ pytest:
     sharded_parity_rank  ... and what each rank runs
     training_step        training steps: the test process's side
     training_step_rank   ... and what each rank runs
+    recompute            `recompute=` of both: the layer's forward under torch.utils.checkpoint,
+                         bitwise equal to the run without it, its replay issuing the forward's collectives
     continuation         chunked prefill and decode against one full forward (`StatePath`,
                          `assert_continuation_parity`): the test process's side
     continuation_plans   ... where it cuts the sequences, and the calls

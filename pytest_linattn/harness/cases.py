@@ -16,6 +16,7 @@ from linattn.checks import positive_int
 
 from ..parity import check_rtol
 from .placement import Placement, as_cu_seqlens, check_fits, default_process_groups
+from .recompute import check_recompute
 
 __all__ = ["DECODE_LAYOUTS", "ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer"]
 
@@ -58,7 +59,8 @@ class ShardedLayer:
         here). Default: `default_process_groups`.
     forward(module, x_local, cu_seqlens, placement) -> y_local
         How to call the layer; x_local and y_local are `[1, T_local, hidden]`, cu_seqlens the
-        whole batch's (on the rank's device). Default: `module(x_local, cu_seqlens)`.
+        whole batch's (on the rank's device). Default: `module(x_local, cu_seqlens)`. A padded
+        placement (`Placement.padded`) also passes `cu_seqlens_padded=` (keyword, both calls).
     after_backward(module, placement)
         The client's own gradient reduction after backward (a trainer's finalize step), if any.
     describe_grad_element(name, index, placement) -> str | None
@@ -109,10 +111,15 @@ class ParityCase:
     reference: the replicated layer (an nn.Module, float64 as a rule), run in the test process;
         its named parameters are the full weights every rank shards, its dtype the reference's.
     cu_seqlens: the packed batch's sequence boundaries. x, dy: the whole batch's input and output
-        cotangent `[1, T, hidden]` (seeded random values, never zeros).
+        cotangent `[1, T, hidden]` (seeded random values, never zeros); a padded placement's
+        ranks get the pads too (`padded_batch`), the reference never.
     dtype: the sharded layer's parameter and input dtype. rtol: the tolerance of every comparison.
     reference_forward(reference, x, cu_seqlens) -> y: how to call the reference (default
         `reference(x, cu_seqlens)`). Cases sharing reference, x, dy and cu_seqlens share one run.
+    recompute: False, "reentrant" or "non-reentrant" (True: "non-reentrant"): the layer's forward
+        on the ranks runs under torch.utils.checkpoint, and the run must equal the same run
+        without recompute bitwise, its replay issuing the forward's collectives
+        (`pytest_linattn.harness.recompute`).
     """
 
     layer: ShardedLayer
@@ -125,8 +132,10 @@ class ParityCase:
     dtype: torch.dtype = torch.float64
     name: str = ""
     reference_forward: Callable | None = None
+    recompute: bool | str = False
 
     def __post_init__(self):
+        object.__setattr__(self, "recompute", check_recompute(self.recompute, "ParityCase.recompute"))
         if not isinstance(self.layer, ShardedLayer):
             raise ValueError(f"ParityCase.layer must be a ShardedLayer, got {type(self.layer).__name__}")
         self.layer.require_unshard("the parity harness (ParityCase.layer)")
@@ -147,7 +156,7 @@ class ParityCase:
                                  f"got {getattr(t, 'shape', type(t).__name__)}")
         if self.dy.shape != self.x.shape:
             raise ValueError(f"ParityCase.dy must have x's shape {tuple(self.x.shape)}, got {tuple(self.dy.shape)}")
-        check_fits([int(b) for b in cu.tolist()], self.placement)
+        check_fits([int(b) for b in cu.tolist()], self.placement, padded_ok=True)
         if not self.name:
             object.__setattr__(self, "name", self.placement.name)
 

@@ -14,7 +14,8 @@ from .cases import DECODE_LAYOUTS, StatePath
 from .placement import Placement
 from .sharded_parity_rank import load_shard, run_device
 
-__all__ = ["Call", "RankContinuation", "run_continuation_on_rank"]
+__all__ = ["Call", "RankContinuation", "decode_in_layout", "default_decode", "default_prefill",
+           "run_continuation_on_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,15 +49,17 @@ class RankContinuation:
     dtype: torch.dtype
 
 
-def _default_prefill(module, x, cu_seqlens, state, placement):
+def default_prefill(module, x, cu_seqlens, state, placement):
+    """StatePath.prefill when the client gives none: the layer's forward from `state`."""
     return module(x, cu_seqlens, state, output_final_state=True)
 
 
-def _default_decode(module, x, state, placement):
+def default_decode(module, x, state, placement):
+    """StatePath.decode when the client gives none: the layer's one-token step."""
     return module.step(x, state)
 
 
-def _decode_in_layout(decode, module, x, state, placement, layout):
+def decode_in_layout(decode, module, x, state, placement, layout):
     """One decode step with its N tokens `[1, N, hidden]` laid out as the client declared
     (StatePath.decode_layout), its output back as `[1, N, hidden]`."""
     batched = layout == "batched"
@@ -84,8 +87,8 @@ def run_continuation_on_rank(case: RankContinuation) -> dict:
     module = path.layer.build(p, groups, case.dtype, device)
     if path.layer.shard is not None:
         load_shard(module, path.layer.shard(case.weights, p, tp_rank))
-    prefill = path.prefill or _default_prefill
-    decode = path.decode or _default_decode
+    prefill = path.prefill or default_prefill
+    decode = path.decode or default_decode
     grad = path.differentiable
 
     def local(state):
@@ -111,7 +114,7 @@ def run_continuation_on_rank(case: RankContinuation) -> dict:
             state = _rebuild(h0, leaves)
             tokens = call.tokens
             if call.kind == "decode":
-                y, new = _decode_in_layout(decode, module, x[:, tokens], state, p, path.decode_layout)
+                y, new = decode_in_layout(decode, module, x[:, tokens], state, p, path.decode_layout)
                 held = tokens
                 decoded[tokens] = True
             else:
@@ -160,10 +163,10 @@ def _backward(runs, dht, cp_group):
     Under CP a prefill call's state gradients are each rank's share (a sequence's next call uses
     its state on the rank where it goes on): they are summed over the CP ranks before they reach
     the previous call, whose final states take a gradient that is whole on every rank. A decode
-    step runs whole on every rank: its gradients are whole already. One backward per call rather than one through the chained calls: a
-    sharded call's backward runs collectives (a CP rank's halo and state exchange) whose order
-    across ranks is fixed within a call, but not across calls that autograd would interleave
-    differently on each rank."""
+    step runs whole on every rank: its gradients are whole already. One backward per call rather
+    than one through the chained calls: a sharded call's backward runs collectives (a CP rank's
+    halo and state exchange) whose order across ranks is fixed within a call, but not across calls
+    that autograd would interleave differently on each rank."""
     import torch.distributed as dist
 
     N = dht[0].shape[0]

@@ -24,7 +24,7 @@ from linattn.checks import positive_int
 
 from ..parity import check_rtol
 from .cases import StatePath
-from .continuation_rank import _decode_in_layout, _default_decode, _default_prefill
+from .continuation_rank import decode_in_layout, default_decode, default_prefill
 from .continuation_report import field_names
 from .placement import Placement
 from .sharded_parity_rank import load_shard, run_device
@@ -61,8 +61,8 @@ def run_long_decode_on_rank(case: RankLongDecode) -> dict:
         load_shard(module, path.layer.shard(case.weights, p, tp_rank))
     N = case.x.shape[0]
     x = case.x.to(device, case.dtype)
-    prefill = path.prefill or _default_prefill
-    decode = path.decode or _default_decode
+    prefill = path.prefill or default_prefill
+    decode = path.decode or default_decode
     cu = torch.arange(N + 1, device=device) * case.prefill
     ys, states = [], []
     with torch.no_grad():
@@ -70,7 +70,7 @@ def run_long_decode_on_rank(case: RankLongDecode) -> dict:
         ys.append(y.detach().cpu().double().view(N, case.prefill, -1))
         states.append([t.detach().cpu() for t in state])
         for t in range(case.prefill, case.prefill + case.steps):
-            y, state = _decode_in_layout(decode, module, x[:, t].unsqueeze(0), state, p, path.decode_layout)
+            y, state = decode_in_layout(decode, module, x[:, t].unsqueeze(0), state, p, path.decode_layout)
             ys.append(y.detach().cpu().double().view(N, 1, -1))
             states.append([s.detach().cpu() for s in state])
     return dict(y=torch.cat(ys, dim=1), states=states, names=field_names(state), type=type(state))

@@ -13,6 +13,12 @@ bug shared by a layer and its helpers still shows). T = cu_seqlens[-1]:
     fla-zigzag  the whole packed batch is cut into 2*cp equal intervals of T/(2*cp) tokens
                 (sequences cross them freely); CP rank r holds intervals r and 2*cp-1-r, in that
                 order. fla: build_cp_context(layout="zigzag") (its documented rule).
+    zigzag-padded
+                padded THD (Megatron's / Transformer Engine's cu_seqlens_padded): every sequence
+                is followed by pads up to the next multiple of 2*cp (2*cp*tp with SP) tokens, and
+                the padded sequences are laid out as zigzag; indices are into the padded batch
+                (`padded_cu_seqlens`, `real_positions`). linattn: cp_layout="zigzag" with
+                forward(..., cu_seqlens_padded=).
     SP          the CP rank's tokens are cut again into tp contiguous slices; TP rank t holds
                 slice t. Without SP every TP rank holds its CP rank's tokens (each is checked).
 
@@ -30,7 +36,11 @@ import torch
 
 from linattn.checks import positive_int
 
-from ..seqlens import LAYOUTS, cu_seqlens_bounds
+from ..seqlens import LAYOUTS as UNPADDED_LAYOUTS
+from ..seqlens import cu_seqlens_bounds
+
+PADDED_LAYOUTS = ("zigzag-padded",)
+LAYOUTS = UNPADDED_LAYOUTS + PADDED_LAYOUTS
 
 # what each layout is, in the words of the messages that name one
 LAYOUT_WORDS = {
@@ -38,10 +48,12 @@ LAYOUT_WORDS = {
     "zigzag": "each sequence cut in 2*cp chunks, rank r holding chunks r and 2*cp-1-r; linattn's and Megatron's zigzag",
     "fla-zigzag": "the whole packed batch cut in 2*cp intervals, rank r holding intervals r and 2*cp-1-r; "
                   "fla's build_cp_context(layout='zigzag')",
+    "zigzag-padded": "each sequence padded to a multiple of 2*cp, then zigzag over the padded sequences; Megatron's "
+                     "cu_seqlens_padded",
 }
 
-__all__ = ["LAYOUTS", "LAYOUT_WORDS", "Placement", "as_cu_seqlens", "check_fits", "default_process_groups",
-           "rank_token_index"]
+__all__ = ["LAYOUTS", "LAYOUT_WORDS", "PADDED_LAYOUTS", "Placement", "as_cu_seqlens", "check_fits",
+           "default_process_groups", "padded_batch", "padded_cu_seqlens", "rank_token_index", "real_positions"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,13 +94,19 @@ class Placement:
         return self.name
 
     @property
+    def padded(self) -> bool:
+        """The ranks hold a padded batch (`padded_cu_seqlens`)."""
+        return self.cp_layout in PADDED_LAYOUTS
+
+    @property
     def fla_layout(self) -> str:
         """The `layout=` of fla's `build_cp_context` that puts tokens where this placement does:
         "contiguous" or "zigzag" (for cp_layout "fla-zigzag"). ValueError for "zigzag" (per
         sequence), which fla has no layout for."""
-        if self.cp_layout == "zigzag":
-            raise ValueError("Placement.cp_layout 'zigzag' cuts each sequence; fla's build_cp_context has no such "
-                             "layout (its layout='zigzag' cuts the whole batch: Placement(cp_layout='fla-zigzag'))")
+        if self.cp_layout in ("zigzag", *PADDED_LAYOUTS):
+            raise ValueError(f"Placement.cp_layout {self.cp_layout!r} cuts each sequence; fla's build_cp_context has "
+                             "no such layout (its layout='zigzag' cuts the whole batch: "
+                             "Placement(cp_layout='fla-zigzag'))")
         return {"contiguous": "contiguous", "fla-zigzag": "zigzag"}[self.cp_layout]
 
 
@@ -107,9 +125,52 @@ def as_cu_seqlens(cu_seqlens) -> torch.Tensor:
     return cu.to(torch.int32)
 
 
-def check_fits(bounds: list[int], placement: Placement) -> None:
-    """ValueError unless the packing `bounds` can be laid out for `placement`."""
+def padded_cu_seqlens(cu_seqlens, placement: Placement) -> torch.Tensor:
+    """int32 boundaries of the padded sequences the ranks hold: every length rounded up to a
+    multiple of 2*cp (2*cp*tp with SP); cu_seqlens itself for an unpadded layout."""
+    cu = as_cu_seqlens(cu_seqlens)
+    if not placement.padded:
+        return cu
+    unit = 2 * placement.cp * (placement.tp if placement.sequence_parallel else 1)
+    lengths = cu.diff().long()
+    return torch.cat([cu.new_zeros(1), ((lengths + unit - 1) // unit * unit).cumsum(0).to(torch.int32)])
+
+
+def real_positions(cu_seqlens, placement: Placement) -> torch.Tensor:
+    """Where the real tokens lie in the batch the ranks hold (int64, in token order): position
+    `padded_cu_seqlens[i] + j` for token j of sequence i; `arange(T)` for an unpadded layout."""
+    cu = as_cu_seqlens(cu_seqlens).long()
+    padded = padded_cu_seqlens(cu, placement).long()
+    sequence = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
+    return torch.arange(int(cu[-1])) + (padded[:-1] - cu[:-1])[sequence]
+
+
+def padded_batch(x: torch.Tensor, dy: torch.Tensor, cu_seqlens, placement: Placement):
+    """(x, dy) of the batch the ranks hold: for a padded layout the real tokens at
+    `real_positions`, pads between them; x, dy themselves otherwise. A pad's input is random
+    (seeded; a pad that reaches a real token shows), its output cotangent zero: the loss mask,
+    as a trainer's, so a pad's output enters no gradient."""
+    if not placement.padded:
+        return x, dy
+    padded = padded_cu_seqlens(cu_seqlens, placement)
+    gen = torch.Generator().manual_seed(int(padded[-1]) + 7919 * padded.numel())
+    shape = (x.shape[0], int(padded[-1]), *x.shape[2:])
+    x_padded = torch.randn(shape, generator=gen, dtype=x.dtype)
+    dy_padded = torch.zeros(shape, dtype=dy.dtype)
+    where = real_positions(cu_seqlens, placement)
+    x_padded[:, where], dy_padded[:, where] = x, dy
+    return x_padded, dy_padded
+
+
+def check_fits(bounds: list[int], placement: Placement, *, padded_ok: bool = False) -> None:
+    """ValueError unless the packing `bounds` can be laid out for `placement`. padded_ok: the
+    caller handles padded layouts (sharded parity does; the other checks do not)."""
     __tracebackhide__ = True
+    if placement.padded:
+        if not padded_ok:
+            raise ValueError(f"Placement.cp_layout {placement.cp_layout!r}: padded layouts are checked by "
+                             "assert_sharded_parity / assert_parity_cases only")
+        return  # the pads make any packing fit
     T, cp, tp = bounds[-1], placement.cp, placement.tp
     if placement.cp_layout == "contiguous" and T % cp:
         raise ValueError(f"cu_seqlens: contiguous CP needs the total token count divisible by cp: {T} % {cp} != 0")
@@ -128,10 +189,12 @@ def check_fits(bounds: list[int], placement: Placement) -> None:
 
 def rank_token_index(cu_seqlens, placement: Placement, tp_rank: int = 0, cp_rank: int = 0) -> torch.Tensor:
     """Global token indices (int64) that rank (tp_rank, cp_rank) holds, in its local order (the
-    module docstring's layout). ValueError when the packing does not fit the placement."""
+    module docstring's layout; padded layouts: into the padded batch). ValueError when the
+    packing does not fit the placement."""
     cu = as_cu_seqlens(cu_seqlens)
+    check_fits([int(b) for b in cu.tolist()], placement, padded_ok=True)
+    cu = padded_cu_seqlens(cu, placement)  # the padded layouts are zigzag over the padded sequences
     bounds = [int(b) for b in cu.tolist()]
-    check_fits(bounds, placement)
     tp, cp = placement.tp, placement.cp
     if not (isinstance(tp_rank, int) and 0 <= tp_rank < tp and isinstance(cp_rank, int) and 0 <= cp_rank < cp):
         raise ValueError(f"rank_token_index: tp_rank must be in [0, {tp}) and cp_rank in [0, {cp}), got {tp_rank!r}, {cp_rank!r}")

@@ -14,8 +14,10 @@ or `assert_parity_cases` (any list of `ParityCase`s). Placements whose world siz
 one spawn call; a world larger than tp * cp holds data-parallel replicas, each checked.
 
 Ranks (Megatron's order) and the tokens each one holds (contiguous, zigzag, fla-zigzag, SP
-slices): the docstring of `pytest_linattn.harness.placement`, which computes them itself so that a
-layout bug shared by a layer and its helpers still shows. What the ranks run:
+slices, padded THD): the docstring of `pytest_linattn.harness.placement`, which computes them itself
+so that a layout bug shared by a layer and its helpers still shows. A padded placement's ranks get
+the pads too (random inputs, zero output cotangent: the loss mask); the reference runs on the
+unpadded batch and only the real tokens are compared. What the ranks run:
 `pytest_linattn.harness.sharded_parity_rank`. A failing CP case whose ranks' outputs are the
 replicated layer's on the batch read in another layout (the layer has its own layout) says so
 first: "the layouts differ: ...".
@@ -48,7 +50,8 @@ import torch
 from ..parity import assert_parity
 from .cases import ParityCase, ShardedLayer
 from .placement import (LAYOUT_WORDS, LAYOUTS, Placement, as_cu_seqlens, check_fits, default_process_groups,
-                        positive_int, rank_token_index)
+                        padded_cu_seqlens, positive_int, rank_token_index, real_positions)
+from .recompute import check_recompute, recompute_failures
 from .reruns import digest, kept
 from .sharded_parity_rank import RankCase, run_cases_on_rank
 
@@ -67,7 +70,8 @@ __all__ = [
 def assert_sharded_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module, placements: Sequence[Placement],
                           cu_seqlens, *, hidden_size: int, seed: int, rtol: float, dtype: torch.dtype = torch.float64,
                           world_size: int | None = None, bitwise_replicated: bool = True,
-                          reference_forward: Callable | None = None, name: str = "") -> None:
+                          reference_forward: Callable | None = None, name: str = "",
+                          recompute: bool | str = False) -> None:
     """`layer` at every placement against `reference` on one packed batch: output, input gradient
     and every parameter gradient within `rtol` (the module's gradient rule), AssertionError naming
     the case, the tensor and where it is off otherwise.
@@ -77,8 +81,12 @@ def assert_sharded_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module
     data-parallel replicas); default one world per distinct tp * cp.
     bitwise_replicated: TP-replicated gradients must be bit-identical across TP ranks (an
     all-reduce gives that); False compares them to rtol.
+    recompute: False, "reentrant" or "non-reentrant" (True: "non-reentrant"): the layer's forward
+    runs under torch.utils.checkpoint; the run must also equal the same run without recompute
+    bitwise, and the replay issue the forward's collectives (`pytest_linattn.harness.recompute`).
     """
     __tracebackhide__ = True
+    recompute = check_recompute(recompute)
     cu = as_cu_seqlens(cu_seqlens)
     positive_int(hidden_size, "hidden_size")
     if isinstance(seed, bool) or not isinstance(seed, int):
@@ -89,20 +97,25 @@ def assert_sharded_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module
     gen = torch.Generator().manual_seed(seed)
     x, dy = (torch.randn(1, int(cu[-1]), hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
     prefix = f"{name}/" if name else ""
-    cases = [ParityCase(layer, p, reference, cu, x, dy, rtol, dtype, name=f"{prefix}{p.name}/seed{seed}",
-                        reference_forward=reference_forward)
+    suffix = f"/recompute-{recompute}" if recompute else ""
+    cases = [ParityCase(layer, p, reference, cu, x, dy, rtol, dtype, name=f"{prefix}{p.name}/seed{seed}{suffix}",
+                        reference_forward=reference_forward, recompute=recompute)
              for p in placements]
     assert_parity_cases(spawn, cases, world_size=world_size, bitwise_replicated=bitwise_replicated)
 
 
 def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int | None = None,
-                        bitwise_replicated: bool = True) -> None:
+                        bitwise_replicated: bool = True, recompute: bool | str | None = None) -> None:
     """Every case against its reference (as `assert_sharded_parity`), cases of the same world
-    size in one spawn call (or all in one world of `world_size`)."""
+    size in one spawn call (or all in one world of `world_size`). recompute: every case's
+    (None: each case's own `ParityCase.recompute`)."""
     __tracebackhide__ = True
     cases = list(cases)
     if not cases or not all(isinstance(c, ParityCase) for c in cases):
         raise ValueError("cases must be a non-empty sequence of ParityCase")
+    if recompute is not None:
+        recompute = check_recompute(recompute)
+        cases = [dataclasses.replace(c, recompute=recompute) for c in cases]
     if world_size is not None:
         positive_int(world_size, "world_size")
         for c in cases:
@@ -117,13 +130,16 @@ def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int |
     for world, indices in batches.items():
         per_rank = spawn(run_cases_on_rank, world, [RankCase.of(cases[i]) for i in indices])
         for j, i in enumerate(indices):
+            results = [r[j] for r in per_rank]
+            replay = recompute_failures(cases[i], results)  # [] without recompute
             try:
-                _check_case(cases[i], [r[j] for r in per_rank], references[i], bitwise_replicated)
+                _check_case(cases[i], results, references[i], bitwise_replicated)
             except AssertionError as exc:
-                note = _layout_note(cases[i], [r[j] for r in per_rank])
-                if not note:
-                    raise
-                raise AssertionError(f"{note}\n\n{exc}") from None
+                note = _layout_note(cases[i], results)
+                raise AssertionError("\n\n".join([note] * bool(note) + [str(exc)] + replay)) from None
+            if replay:
+                raise AssertionError(f"recompute check failed for case {cases[i].name}: {len(replay)} failing "
+                                     "check(s)\n\n" + "\n\n".join(replay))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -169,9 +185,10 @@ def _reference_forward(case: ParityCase, x):
 
 def _gather_tokens(holders, ref, case, what):
     """The whole batch `[1, T, ...]` from the (tp_rank, cp_rank) -> tensor pieces in `holders`;
-    tokens nobody holds stay NaN (never passes)."""
+    tokens nobody holds stay NaN (never passes). A padded placement's pads are dropped."""
     __tracebackhide__ = True
-    full = torch.full(tuple(ref.shape), math.nan, dtype=torch.float64)
+    held = int(padded_cu_seqlens(case.cu_seqlens, case.placement)[-1])
+    full = torch.full((ref.shape[0], held, *ref.shape[2:]), math.nan, dtype=torch.float64)
     for (t, c), piece in holders.items():
         index = rank_token_index(case.cu_seqlens, case.placement, t, c)
         if piece is None or tuple(piece.shape) != (1, index.numel(), *ref.shape[2:]):
@@ -179,7 +196,7 @@ def _gather_tokens(holders, ref, case, what):
                                  f"{None if piece is None else tuple(piece.shape)}; its tokens are "
                                  f"{(1, index.numel(), *ref.shape[2:])}")
         full[:, index] = piece.double()
-    return full
+    return full[:, real_positions(case.cu_seqlens, case.placement)]
 
 
 def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) -> None:
@@ -244,7 +261,7 @@ def _layout_note(case: ParityCase, results) -> str:
     (rank r, handed this placement's tokens, took them for that layout's), else "". A layer fed
     another layout than its own fails everywhere with O(1) errors, like any bug; this tells which."""
     p = case.placement
-    if p.cp == 1:
+    if p.cp == 1 or p.padded:
         return ""
     bounds = [int(b) for b in case.cu_seqlens.tolist()]
     holders = [(t, c) for c in range(p.cp) for t in (range(p.tp) if p.sequence_parallel else [0])]
@@ -288,11 +305,13 @@ def _check_tokens(holders, ref, case, name, what) -> None:
 def _token_ranks(holders, case) -> dict | None:
     """{"CP rank": .., "TP rank": ..} of every token, for the kinds that split the tokens here
     (zigzag and SP make the holder something other than token // (T / cp))."""
-    p, T = case.placement, int(case.cu_seqlens[-1])
+    p, T = case.placement, int(padded_cu_seqlens(case.cu_seqlens, case.placement)[-1])
     cp_rank, tp_rank = torch.zeros(T, dtype=torch.int64), torch.zeros(T, dtype=torch.int64)
     for t, c in holders:
         index = rank_token_index(case.cu_seqlens, p, t, c)
         cp_rank[index], tp_rank[index] = c, t
+    real = real_positions(case.cu_seqlens, p)  # a padded placement's real tokens
+    cp_rank, tp_rank = cp_rank[real], tp_rank[real]
     ranks = {}
     if p.cp > 1:
         ranks["CP rank"] = cp_rank

@@ -11,7 +11,8 @@ from collections.abc import Sequence
 import torch
 
 from .cases import ParityCase, ShardedLayer
-from .placement import Placement, rank_token_index
+from .placement import Placement, padded_batch, padded_cu_seqlens, rank_token_index
+from .recompute import recorded_forward
 
 __all__ = ["RankCase", "load_shard", "run_cases_on_rank", "run_device", "whole"]
 
@@ -27,15 +28,21 @@ class RankCase:
     x: torch.Tensor
     dy: torch.Tensor
     dtype: torch.dtype
+    recompute: bool | str = False
+    cu_seqlens_padded: torch.Tensor | None = None  # a padded placement's (x and dy then hold the pads)
 
     @classmethod
     def of(cls, case: ParityCase) -> RankCase:
         weights = {n: p.detach() for n, p in case.reference.named_parameters()}
-        return cls(case.layer, case.placement, weights, case.cu_seqlens, case.x, case.dy, case.dtype)
+        x, dy = padded_batch(case.x, case.dy, case.cu_seqlens, case.placement)
+        padded = padded_cu_seqlens(case.cu_seqlens, case.placement) if case.placement.padded else None
+        return cls(case.layer, case.placement, weights, case.cu_seqlens, x, dy, case.dtype, case.recompute, padded)
 
 
 def run_cases_on_rank(cases: Sequence[RankCase]):
-    """Rank function (for spawn): this rank's (y, dx, parameter grads) of every case.
+    """Rank function (for spawn): this rank's (y, dx, parameter grads) of every case; under
+    recompute (y, dx, grads) of the checkpointed run, then the same run's without recompute, and
+    the checkpointed forward's collectives per call (`recompute.recorded_forward`).
 
     Cases run grouped by (process_groups, tp, cp), in first-appearance order, so a client with
     global parallel state initialises it once per group of cases."""
@@ -86,6 +93,13 @@ def load_shard(module: torch.nn.Module, local: dict) -> None:
 
 
 def _run_case(case: RankCase, groups, rank: int, device):
+    if not case.recompute:
+        return _run_once(case, groups, rank, device, False)[:3]
+    plain = _run_once(case, groups, rank, device, False)[:3]  # a fresh module each: state from one run stays there
+    return (*_run_once(case, groups, rank, device, case.recompute), plain)
+
+
+def _run_once(case: RankCase, groups, rank: int, device, recompute):
     p = case.placement
     tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
     module = case.layer.build(p, groups, case.dtype, device)
@@ -95,8 +109,13 @@ def _run_case(case: RankCase, groups, rank: int, device):
     x = case.x[:, index].to(device, case.dtype).requires_grad_()
     dy = case.dy[:, index].to(device, case.dtype)
     cu = case.cu_seqlens.to(device)
-    y = case.layer.forward(module, x, cu, p) if case.layer.forward else module(x, cu)
+    padded = {} if case.cu_seqlens_padded is None else {"cu_seqlens_padded": case.cu_seqlens_padded.to(device)}
+
+    def forward(x_in):
+        return case.layer.forward(module, x_in, cu, p, **padded) if case.layer.forward else module(x_in, cu, **padded)
+
+    y, calls = recorded_forward(forward, x, recompute)
     (y * dy).sum().backward()
     if case.layer.after_backward is not None:
         case.layer.after_backward(module, p)
-    return y.detach(), x.grad, {n: whole(q.grad) for n, q in module.named_parameters()}
+    return y.detach(), x.grad, {n: whole(q.grad) for n, q in module.named_parameters()}, calls

@@ -96,7 +96,8 @@ class SpecDecodePath:
             if not callable(getattr(self, field)):
                 raise ValueError(f"SpecDecodePath.{field} must be callable, got {getattr(self, field)!r}")
         if (self.shard_state is None) != (self.unshard_state is None):
-            raise ValueError("SpecDecodePath.shard_state and unshard_state are given together (or neither: tp = 1 only)")
+            raise ValueError("SpecDecodePath.shard_state and unshard_state are given together "
+                             "(or neither: tp = 1 only)")
         try:
             pickle.dumps(self)
         except Exception as exc:  # noqa: BLE001 - reported as bad input
@@ -129,7 +130,8 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
         raise ValueError("placements must be a non-empty sequence of Placement")
     for p in placements:
         if not isinstance(p, Placement) or p.cp > 1 or p.sequence_parallel:
-            raise ValueError(f"placements must be TP-only Placements (the spec-decode mode runs no CP or SP), got {p!r}")
+            raise ValueError(f"placements must be TP-only Placements (the spec-decode mode runs no CP or SP), "
+                             f"got {p!r}")
         if p.tp > 1 and path.shard_state is None:
             raise ValueError(f"placement {p.name}: tp > 1 needs SpecDecodePath.shard_state and unshard_state")
 
@@ -242,7 +244,8 @@ def _expected(forward, reference, call, bounds, serial_y, serial_states, probe):
 
 def _describe_call(i, call, K) -> str:
     if call.kind == "prefill":
-        return f"call {i} (prefill chunk {call.index + 1} of sequences {list(call.sequences)} in slots {list(call.slots)})"
+        return (f"call {i} (prefill chunk {call.index + 1} of sequences {list(call.sequences)} in slots "
+                f"{list(call.slots)})")
     return (f"call {i} (verify round {call.index + 1}: {K} drafts each of sequences {list(call.sequences)} in slots "
             f"{list(call.slots)}, accepted {list(call.accepted)})")
 

@@ -15,7 +15,17 @@ After every call, each live slot the call did not schedule must be bitwise uncha
 rank); every token's output and every sequence's final state (its slot when it finishes) must
 match one float64 full forward of the replicated layer from zero states, within rtol. A failure
 names the call, the slot, the sequence and the token. TP placements only (the decode batch runs
-whole on every rank); no gradients (serving). This module imports no pytest.
+whole on every rank); no gradients (serving).
+
+Prefix mode (`block_size`): as an engine with prefix caching, every prefill chunk that ends on a
+multiple of `block_size` tokens of its sequence also writes the state there into a snapshot slot
+of its own (a prefix block), kept for the rest of the run; a sequence of `prefix_hits` starts
+from another's snapshot (its first tokens are that sequence's, restored, not recomputed) and
+computes only the rest. The prefill gets `snapshot_slots` and `prefix_slots` per sequence. Each
+snapshot must equal the float64 state at its boundary; a prefix hit's outputs and final state
+must equal the serial run of its whole sequence; no call may change a prefix block after the call
+that wrote it (the shared-block rule: the call that reads it included). This module imports no
+pytest.
 """
 
 from __future__ import annotations
@@ -54,6 +64,10 @@ class StatePoolPath:
         One chunk of each of N sequences, packed `[1, T, hidden]`; slots `[N]` int64 their slots;
         fresh `[N]` bool: the sequence starts here, from zero (its slot holds a previous
         sequence's state). Reads and writes the scheduled slots of `pool` in place.
+        Prefix mode (a block_size given) adds the keywords `snapshot_slots` `[N]` int64: the slot
+        where the sequence's state at the chunk's end (a block boundary) is to be written too, -1
+        for none; and `prefix_slots` `[N]` int64: the snapshot a prefix hit starts from (instead of
+        its own slot, which holds a previous sequence's state), -1 for none; it may not change it.
     decode(module, x, pool, slots, num_valid, placement) -> y
         One token of each row, x `[1, B, hidden]`, slots `[B]`: the first `num_valid` rows are
         sequences, the rest padding (slots: -1, 0 or a free slot). Returns y `[1, B, hidden]`
@@ -84,13 +98,17 @@ class StatePoolPath:
 
 def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Module, placements: Sequence[Placement],
                              cu_seqlens, *, plans: Sequence[SequencePlan], hidden_size: int, seed: int, rtol: float,
-                             max_live: int | None = None, capture_sizes: Sequence[int] = CAPTURE_SIZES, dtype: torch.dtype = torch.float64,
-                             reference_forward: Callable | None = None, name: str = "") -> None:
+                             max_live: int | None = None, capture_sizes: Sequence[int] = CAPTURE_SIZES,
+                             dtype: torch.dtype = torch.float64, block_size: int | None = None,
+                             prefix_hits: dict | None = None, reference_forward: Callable | None = None,
+                             name: str = "") -> None:
     """The client's pool path at every TP placement against one float64 full forward of
     `reference` from zero states (the module docstring). max_live: sequences live at once
     (default half of them, at least 2: slots are freed and reused). capture_sizes: the decode batch
     sizes a graph is captured for; a decode call is padded to the next one. reference_forward(reference,
-    x, cu_seqlens, state) -> (y, final_state), as the continuation check's."""
+    x, cu_seqlens, state) -> (y, final_state), as the continuation check's. block_size: the prefix
+    mode's block (module docstring); prefix_hits {n: (m, tokens)}: sequence n's first `tokens`
+    tokens are sequence m's (m < n), restored from m's snapshot there; plans[n] covers the rest."""
     __tracebackhide__ = True
     if not isinstance(path, StatePoolPath):
         raise ValueError(f"path must be a StatePoolPath, got {type(path).__name__}")
@@ -102,9 +120,12 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     plans = list(plans)
     if len(plans) != N or not all(isinstance(pl, SequencePlan) for pl in plans):
         raise ValueError(f"plans must hold one SequencePlan per sequence ({N}), got {plans!r}")
+    hits = _check_prefix_hits(block_size, prefix_hits, plans, bounds)
     for n, pl in enumerate(plans):
-        if pl.length != bounds[n + 1] - bounds[n]:
-            raise ValueError(f"plans[{n}] covers {pl.length} tokens ({pl}); sequence {n} has {bounds[n + 1] - bounds[n]}")
+        if pl.length != bounds[n + 1] - bounds[n] - hits.get(n, (0, 0))[1]:
+            raise ValueError(f"plans[{n}] covers {pl.length} tokens ({pl}); sequence {n} has "
+                             f"{bounds[n + 1] - bounds[n]}"
+                             + (f", {hits[n][1]} of them a prefix hit" if n in hits else ""))
     max_live = max_live if max_live is not None else max(2, (N + 1) // 2)
     positive_int(max_live, "max_live")
     capture_sizes = tuple(sorted(capture_sizes))
@@ -119,6 +140,8 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
+    for n, (m, tokens) in hits.items():  # a prefix hit's first tokens are the other sequence's
+        x[:, bounds[n]:bounds[n] + tokens] = x[:, bounds[m]:bounds[m] + tokens]
     forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
     ref_dtype = next(reference.parameters()).dtype
     with torch.no_grad():
@@ -127,25 +150,42 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     P = max_live + 1  # a slot always free: the padding rows' third target
     fields = [torch.randn((P,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64) for t in ht_ref]
     pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
-    calls = pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes)
+    calls = pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes, block_size, hits)
+    snapshots = {s: (i, seq, t) for i, c in enumerate(calls) for seq, s, t in _snapshots_of(c, bounds)}
+    if snapshots:  # the prefix blocks: slots after the live ones, random until written
+        fields = [torch.cat([f, torch.randn((len(snapshots),) + tuple(f.shape[1:]), generator=gen,
+                                            dtype=torch.float64)]) for f in fields]
+        pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
+        with torch.no_grad():
+            expected = {s: [t.double()[0] for t in forward(reference, x[:, bounds[seq]:bounds[seq] + t].to(ref_dtype),
+                                                            torch.tensor([0, t], dtype=torch.int32), None)[1]]
+                        for s, (i, seq, t) in snapshots.items()}
     label = f"{name}/" if name else ""
     reports = []
     for p in placements:
         case = RankPool(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, pool, calls,
                         dtype, field_names(probe))
         results = spawn(run_pool_on_rank, p.size, case)
-        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol)
+        prefix = _check_snapshots(p, path, plans, calls, results, snapshots, expected, rtol) if snapshots else []
+        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol,
+                        prefix)
         if report:
             reports.append(report)
     if reports:
         raise AssertionError("\n\n".join(reports))
 
 
-def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES) -> list[PoolCall]:
-    """The calls in order (module docstring): each step one prefill call, then one padded decode call."""
+def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES, block_size=None,
+                  prefix_hits=None) -> list[PoolCall]:
+    """The calls in order (module docstring): each step one prefill call, then one padded decode
+    call. Prefix mode: snapshot slots from P on, one per chunk ending on a block boundary; a
+    prefix hit's first chunk waits for the snapshot it starts from."""
     waiting, live, free, done = list(range(len(plans))), {}, list(range(P)), {}
     progress = {n: 0 for n in range(len(plans))}  # work items done: chunks, then decode tokens
     calls, pads = [], 0
+    hits = prefix_hits or {}
+    restored = {n: hits[n][1] if n in hits else 0 for n in range(len(plans))}  # tokens a hit does not compute
+    blocks = {}  # (sequence, token) -> its snapshot's slot
 
     def admit():
         while waiting and len(live) < max_live:
@@ -155,19 +195,27 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
 
     admit()
     while live:
-        prefill = [n for n in sorted(live) if progress[n] < len(plans[n].chunks)]
+        prefill = [n for n in sorted(live) if progress[n] < len(plans[n].chunks)
+                   and (progress[n] or n not in hits or tuple(hits[n]) in blocks)]
         if prefill:
-            tokens, lengths = [], []
+            tokens, lengths, snapshot, prefix = [], [], [], []
+            taken = {slot: key for key, slot in blocks.items()}
             for n in prefill:
                 k = progress[n]
-                start = bounds[n] + sum(plans[n].chunks[:k])
-                tokens.append(torch.arange(start, start + plans[n].chunks[k]))
+                start = restored[n] + sum(plans[n].chunks[:k])
+                end = start + plans[n].chunks[k]
+                tokens.append(torch.arange(bounds[n] + start, bounds[n] + end))
                 lengths.append(plans[n].chunks[k])
+                prefix.append(blocks[tuple(hits[n])] if k == 0 and n in hits else -1)
+                snapshot.append(-1)
+                if block_size and end % block_size == 0:
+                    snapshot[-1] = blocks[(n, end)] = P + len(blocks)
             calls.append(PoolCall("prefill", tuple(prefill), tuple(live[n] for n in prefill), torch.cat(tokens),
                                   torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
-                                  tuple(progress[n] == 0 for n in prefill), len(prefill), None, dict(live)))
-        decoding = [n for n in sorted(live)
-                    if n not in prefill and progress[n] < len(plans[n].chunks) + plans[n].decode]
+                                  tuple(progress[n] == 0 and n not in hits for n in prefill), len(prefill), None,
+                                  dict(live), *((tuple(snapshot), tuple(prefix), taken) if block_size else ())))
+        decoding = [n for n in sorted(live) if n not in prefill
+                    and len(plans[n].chunks) <= progress[n] < len(plans[n].chunks) + plans[n].decode]
         if decoding:
             size = next((c for c in capture_sizes if c >= len(decoding)), len(decoding))
             slots = [live[n] for n in decoding]
@@ -175,7 +223,7 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
                 target = PAD_TARGETS[pads % len(PAD_TARGETS)]
                 pads += 1
                 slots.append(SENTINEL if target == "sentinel" else 0 if target == "slot 0" else free[0])
-            tokens = torch.tensor([bounds[n] + sum(plans[n].chunks) + progress[n] - len(plans[n].chunks)
+            tokens = torch.tensor([bounds[n] + restored[n] + sum(plans[n].chunks) + progress[n] - len(plans[n].chunks)
                                    for n in decoding])
             pad_x = torch.randn(1, size - len(decoding), hidden_size, generator=gen, dtype=torch.float64)
             calls.append(PoolCall("decode", tuple(decoding), tuple(slots), tokens, None, None, len(decoding), pad_x,
@@ -192,14 +240,19 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
 
 def _describe_call(i, call) -> str:
     if call.kind == "prefill":
-        return f"call {i} (prefill of sequences {list(call.sequences)} in slots {list(call.slots)})"
+        extra = ""
+        if call.snapshot_slots is not None and any(s >= 0 for s in call.snapshot_slots):
+            extra += f", snapshots to slots {list(call.snapshot_slots)}"
+        if call.prefix_slots is not None and any(s >= 0 for s in call.prefix_slots):
+            extra += f", from prefix slots {list(call.prefix_slots)}"
+        return f"call {i} (prefill of sequences {list(call.sequences)} in slots {list(call.slots)}{extra})"
     rows = list(call.slots[call.num_valid:])
     return (f"call {i} (decode of sequences {list(call.sequences)} in slots {list(call.slots[:call.num_valid])}, "
             f"padded to {len(call.slots)} rows" + (f" with padding rows at slots {rows})" if rows else ")"))
 
 
-def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol) -> str:
-    failures = []
+def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol, prefix=()) -> str:
+    failures = list(prefix)
     for r, result in enumerate(results):
         for i, slot, seq, field, diff in result["changed"]:
             failures.append(f"{_describe_call(i, calls[i])} changed live slot {slot} (sequence {seq}, {plans[seq]}), "
@@ -224,6 +277,7 @@ def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol) -
     for t_rank in range(p.tp):
         y = results[t_rank]["y"].double()
         per_token = torch.linalg.vector_norm((y - y_ref)[0], dim=-1) / scale
+        per_token[[t for t in range(per_token.numel()) if t not in where]] = 0  # a prefix hit's restored tokens
         bad = torch.nonzero(~(per_token <= rtol)).flatten().tolist()
         if not bad:
             continue
@@ -251,3 +305,64 @@ def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol) -
         return ""
     return (f"state-pool parity failed for {label}: {len(failures)} failing check(s)\n"
             + "".join(f"  {_describe_call(i, c)}\n" for i, c in enumerate(calls)) + "\n" + "\n".join(failures))
+
+
+def _snapshots_of(call, bounds):
+    """(sequence, snapshot slot, token) of each snapshot a prefill call writes."""
+    if call.snapshot_slots is None:
+        return []
+    ends = call.cu_seqlens[1:].tolist()
+    return [(seq, slot, int(call.tokens[end - 1]) + 1 - bounds[seq])
+            for seq, slot, end in zip(call.sequences, call.snapshot_slots, ends) if slot >= 0]
+
+
+def _check_prefix_hits(block_size, prefix_hits, plans, bounds) -> dict:
+    """prefix_hits as {n: (m, tokens)}, each hit starting from a snapshot that sequence m takes."""
+    if block_size is None:
+        if prefix_hits:
+            raise ValueError("prefix_hits needs block_size (a hit starts from a snapshot at a block boundary)")
+        return {}
+    positive_int(block_size, "block_size")
+    hits = {}
+    for n, hit in dict(prefix_hits or {}).items():
+        if not (isinstance(hit, tuple) and len(hit) == 2 and all(isinstance(v, int) for v in hit)):
+            raise ValueError(f"prefix_hits[{n}] must be (sequence, tokens), got {hit!r}")
+        m, tokens = hit
+        ends = [sum(plans[m].chunks[:k + 1]) for k in range(len(plans[m].chunks))] if 0 <= m < len(plans) else []
+        if not (isinstance(n, int) and 0 <= m < n < len(plans)):
+            raise ValueError(f"prefix_hits: sequence {n} may start from an earlier sequence's snapshot only "
+                             f"(0 <= m < n < {len(plans)}), got {n}: {hit}")
+        if m in dict(prefix_hits) or tokens not in ends or tokens % block_size or tokens >= bounds[n + 1] - bounds[n]:
+            raise ValueError(f"prefix_hits[{n}] = ({m}, {tokens}): tokens must be where a prefill chunk of sequence "
+                             f"{m} (not itself a hit) ends on a multiple of block_size {block_size} (its chunks end "
+                             f"at {ends}), shorter than sequence {n}")
+        hits[n] = (m, tokens)
+    return hits
+
+
+def _check_snapshots(p, path, plans, calls, results, snapshots, expected, rtol) -> list[str]:
+    """The prefix blocks changed after their call, then each snapshot against the float64 state
+    at its boundary."""
+    failures = []
+    for r, result in enumerate(results):
+        for i, slot, field, diff in result["changed_blocks"]:
+            _, seq, t = snapshots[slot]
+            read = calls[i].prefix_slots is not None and slot in calls[i].prefix_slots
+            failures.append(f"{_describe_call(i, calls[i])} changed prefix block slot {slot} (the snapshot of "
+                            f"sequence {seq} at token {t})" + (", which it read from" if read else "")
+                            + f": field {field}, max |change| {diff:.2e} (rank {r})")
+    order = sorted(snapshots)
+    per_rank = [[torch.stack([results[t]["snapshots"][s][f] for s in order]) for f in range(len(expected[order[0]]))]
+                for t in range(p.tp)]
+    like = results[0]["final"]
+    per_rank = [type(like)(*fields) if hasattr(like, "_fields") else type(like)(fields) for fields in per_rank]
+    got = per_rank[0] if p.tp == 1 else path.unshard_state(per_rank, p)
+    names = field_names(like)
+    for k, slot in enumerate(order):
+        i, seq, t = snapshots[slot]
+        for field, a, e in zip(names, got, expected[slot]):
+            err = float(torch.linalg.vector_norm(a[k].double() - e)) / (float(torch.linalg.vector_norm(e)) or 1.0)
+            if not err <= rtol:
+                failures.append(f"{_describe_call(i, calls[i])}: the snapshot of sequence {seq} ({plans[seq]}) at "
+                                f"token {t} in slot {slot} is not the state there: field {field} error {err:.1e}")
+    return failures

@@ -20,7 +20,10 @@ class PoolCall:
     """One call: kind "prefill" or "decode"; the sequences it runs and their slots (a decode's
     padding rows' slots after the first `num_valid`); their tokens (global indices, in order); a
     prefill's `cu_seqlens` and `fresh` flags; a decode's padding inputs `[1, pads, hidden]`; the
-    live slots when it runs (sequence -> slot)."""
+    live slots when it runs (sequence -> slot). In prefix mode (a block size given) a prefill
+    call also names each sequence's snapshot slot (where its state at the chunk's end, a block
+    boundary, goes) and prefix slot (the snapshot a prefix hit starts from), and the snapshots
+    (prefix blocks) taken before it, which it may not change."""
 
     kind: str
     sequences: tuple
@@ -31,6 +34,9 @@ class PoolCall:
     num_valid: int
     pad_x: torch.Tensor | None
     live: dict
+    snapshot_slots: tuple | None = None  # prefix mode: per sequence the slot of its snapshot, -1: none
+    prefix_slots: tuple | None = None  # prefix mode: per sequence the snapshot it starts from, -1: none
+    blocks: dict | None = None  # prefix mode: the snapshots taken before the call, slot -> (sequence, token)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,8 +57,9 @@ class RankPool:
 
 def run_pool_on_rank(case: RankPool) -> dict:
     """Rank function (for spawn): the outputs of every token, the final state of every sequence
-    `[N, ...]` per field (this rank's shard), and the unscheduled live slots a call changed:
-    (call index, slot, sequence, field, max |change|)."""
+    `[N, ...]` per field (this rank's shard), the unscheduled live slots a call changed: (call
+    index, slot, sequence, field, max |change|), the snapshots as written (slot -> fields), and the
+    prefix blocks a later call changed: (call index, slot, field, max |change|)."""
     import torch.distributed as dist
 
     p, path, device = case.placement, case.path, run_device()
@@ -66,14 +73,18 @@ def run_pool_on_rank(case: RankPool) -> dict:
     y_out = torch.zeros(tuple(case.x.shape), dtype=case.dtype)
     num_sequences = 1 + max(n for call in case.calls for n in call.sequences)
     final = [torch.zeros((num_sequences,) + tuple(t.shape[1:]), dtype=t.dtype) for t in pool]
-    changed = []
+    changed, snapshots, changed_blocks = [], {}, []
     with torch.no_grad():
         for i, call in enumerate(case.calls):
             before = [t.clone() for t in pool]
             slots = torch.tensor(call.slots, dtype=torch.int64, device=device)
             if call.kind == "prefill":
                 fresh = torch.tensor(call.fresh, dtype=torch.bool, device=device)
-                y = path.prefill(module, x[:, call.tokens], call.cu_seqlens.to(device), pool, slots, fresh, p)
+                prefix = {} if call.snapshot_slots is None else dict(
+                    snapshot_slots=torch.tensor(call.snapshot_slots, dtype=torch.int64, device=device),
+                    prefix_slots=torch.tensor(call.prefix_slots, dtype=torch.int64, device=device))
+                y = path.prefill(module, x[:, call.tokens], call.cu_seqlens.to(device), pool, slots, fresh, p,
+                                 **prefix)
             else:
                 x_call = torch.cat([x[:, call.tokens], call.pad_x.to(device, case.dtype)], dim=1)
                 y = path.decode(module, x_call, pool, slots, call.num_valid, p)[:, :call.num_valid]
@@ -86,10 +97,19 @@ def run_pool_on_rank(case: RankPool) -> dict:
                     if not torch.equal(old[slot], new[slot]):
                         diff = float((old[slot] - new[slot]).abs().nan_to_num(float("inf")).max())
                         changed.append((i, slot, seq, name, diff))
+            written = {s for s in call.snapshot_slots or () if s >= 0}
+            for slot in sorted(call.blocks or {}):  # a prefix block: written once, then only read
+                for name, old, new in zip(case.names, before, pool):
+                    if slot not in written and not torch.equal(old[slot], new[slot]):
+                        diff = float((old[slot] - new[slot]).abs().nan_to_num(float("inf")).max())
+                        changed_blocks.append((i, slot, name, diff))
+            for slot in written:
+                snapshots[slot] = [t[slot].detach().cpu() for t in pool]
             for seq, slot in zip(call.sequences, call.slots):
                 for f, t in zip(final, pool):  # the latest state; the last call of the sequence leaves its final one
                     f[seq] = t[slot].detach().cpu()
-    return dict(y=y_out, final=_rebuild(case.pool, final), changed=changed)
+    return dict(y=y_out, final=_rebuild(case.pool, final), changed=changed, snapshots=snapshots,
+                changed_blocks=changed_blocks)
 
 
 def _rebuild(like, fields):

@@ -37,6 +37,7 @@ from linattn.checks import positive_int
 from ..parity import assert_parity, check_rtol
 from .cases import ShardedLayer, TrainingStep
 from .placement import Placement, as_cu_seqlens, check_fits
+from .recompute import check_recompute, training_recompute_failures
 from .sharded_parity import check_replicated
 from .training_step_rank import RankTraining, default_loss, run_training_on_rank
 
@@ -48,7 +49,7 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
                            step: TrainingStep = TrainingStep(), output_size: int | None = None,
                            dtype: torch.dtype = torch.float64, bitwise_replicated: bool = True,
                            reference_forward: Callable | None = None, name: str = "",
-                           data_parallel: int = 1) -> list[dict]:
+                           data_parallel: int = 1, recompute: bool | str = False) -> list[dict]:
     """`layer` at every placement trained as `step` says, against `reference` trained alike.
 
     micro_batches: one packing (cu_seqlens) per micro-batch; every step runs them all.
@@ -60,12 +61,17 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
     per step and micro-batch, seeded by `seed`. `reference` is not changed (a copy trains).
     bitwise_replicated: TP-replicated gradients and parameters must be bit-identical across TP
     ranks; False compares them to rtol.
+    recompute: False, "reentrant" or "non-reentrant" (True: "non-reentrant"): every forward of the
+    layer on the ranks runs under torch.utils.checkpoint; every step must also equal the same steps
+    without recompute bitwise, and every replay issue its forward's collectives
+    (`pytest_linattn.harness.recompute`).
     Returns the reference's steps: [{"loss", "grad_norm", "clipped"}] (clipped: the norm was
     over max_norm), so a test can check that clipping bit. AssertionError with every failing
     check otherwise.
     """
     __tracebackhide__ = True
     rtol = check_rtol(rtol)
+    recompute = check_recompute(recompute)
     if not isinstance(layer, ShardedLayer):
         raise ValueError(f"layer must be a ShardedLayer, got {type(layer).__name__}")
     layer.require_unshard("the training-step check (assert_training_parity)")
@@ -110,11 +116,24 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
         worlds.setdefault(p.size * data_parallel, []).append(p)
     dp_name = f"/dp{data_parallel}" if data_parallel > 1 else ""
     for world, group in worlds.items():
-        cases = [RankTraining(layer, p, weights, packings, xs, dys, dtype, step, data_parallel) for p in group]
+        cases = [RankTraining(layer, p, weights, packings, xs, dys, dtype, step, data_parallel, recompute)
+                 for p in group]
         per_rank = spawn(run_training_on_rank, world, cases)
         for j, p in enumerate(group):
-            _check_steps(layer, p, [r[j] for r in per_rank], ref_steps, rtol, bitwise_replicated,
-                         f"{prefix}{p.name}{dp_name}/seed{seed}", len(packings), data_parallel)
+            results, label = [r[j] for r in per_rank], f"{prefix}{p.name}{dp_name}/seed{seed}"
+            replay = []
+            if recompute:  # each rank: (the steps under recompute, the steps without, the forwards' calls)
+                label += f"/recompute-{recompute}"
+                replay = training_recompute_failures(label, recompute, p, results)
+                results = [r[0] for r in results]
+            try:
+                _check_steps(layer, p, results, ref_steps, rtol, bitwise_replicated, label, len(packings),
+                             data_parallel)
+            except AssertionError as exc:
+                raise AssertionError("\n\n".join([str(exc)] + replay)) from None
+            if replay:
+                raise AssertionError(f"recompute check failed for case {label}: {len(replay)} failing check(s)\n\n"
+                                     + "\n\n".join(replay))
     return [{"loss": float(loss), "grad_norm": float(norm),
              "clipped": step.max_norm is not None and float(norm) > step.max_norm}
             for loss, norm, _, _ in ref_steps]

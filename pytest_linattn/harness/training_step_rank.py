@@ -13,6 +13,7 @@ import torch
 
 from .cases import ShardedLayer, TrainingStep
 from .placement import Placement, default_process_groups, rank_token_index
+from .recompute import recorded_forward
 from .sharded_parity_rank import load_shard, run_device, whole
 
 __all__ = ["RankTraining", "default_grad_norm", "run_training_on_rank", "sum_grads_over"]
@@ -31,6 +32,7 @@ class RankTraining:
     dtype: torch.dtype
     step: TrainingStep
     data_parallel: int = 1  # DP rank d takes micro-batches d, d + data_parallel, ...
+    recompute: bool | str = False  # the layer's forward under torch.utils.checkpoint (harness.recompute)
 
 
 def default_loss(y, dy, tokens, micro_batches):
@@ -75,7 +77,9 @@ def default_grad_norm(module: torch.nn.Module, replicated, tp_group) -> torch.Te
 
 def run_training_on_rank(cases):
     """Rank function (for spawn): per case, per step, (loss part, grad norm, gradients after the
-    reduction, parameters after the optimizer step), whole tensors on this rank."""
+    reduction, parameters after the optimizer step), whole tensors on this rank. Under recompute,
+    per case (those steps, the same steps without recompute, the checkpointed forwards' collectives
+    as {(step, micro-batch): calls per call of the forward})."""
     import torch.distributed as dist
 
     rank, device = dist.get_rank(), run_device()
@@ -95,7 +99,12 @@ def run_training_on_rank(cases):
             tp_group, cp_group = groups if make is default_process_groups else default_process_groups(p)
             peers = cp_group if dist.get_world_size() == p.size else _same_tp_rank_group(p.tp, rank)
             harness_groups[at] = (tp_group, peers)
-        results.append(_train(case, client_groups[at], harness_groups.get(at), rank, device))
+        snapshots, calls = _train(case, client_groups[at], harness_groups.get(at), rank, device, case.recompute)
+        if case.recompute:  # the same steps without recompute, on a fresh module, to compare bitwise
+            plain, _ = _train(case, client_groups[at], harness_groups.get(at), rank, device, False)
+            results.append((snapshots, plain, calls))
+        else:
+            results.append(snapshots)
     return results
 
 
@@ -112,7 +121,7 @@ def _same_tp_rank_group(tp: int, rank: int):
     return mine
 
 
-def _train(case: RankTraining, groups, own, rank: int, device):
+def _train(case: RankTraining, groups, own, rank: int, device, recompute):
     p, layer, step = case.placement, case.layer, case.step
     tp_rank, cp_rank, dp_rank = rank % p.tp, rank // p.tp % p.cp, rank // (p.tp * p.cp)
     module = layer.build(p, groups, case.dtype, device)
@@ -122,7 +131,7 @@ def _train(case: RankTraining, groups, own, rank: int, device):
     optimizer = step.optimizer(params)
     loss_fn = step.loss or default_loss
     M = len(case.micro_batches)
-    snapshots = []
+    snapshots, calls = [], {}
     for s in range(step.steps):
         if step.zero_grads is not None:
             step.zero_grads(module, optimizer)
@@ -135,7 +144,11 @@ def _train(case: RankTraining, groups, own, rank: int, device):
             x = case.x[s][m][:, index].to(device, case.dtype)
             dy = case.dy[s][m][:, index].to(device, case.dtype)
             cu_here = cu.to(device)
-            y = layer.forward(module, x, cu_here, p) if layer.forward else module(x, cu_here)
+
+            def forward(x_in, cu_here=cu_here):
+                return layer.forward(module, x_in, cu_here, p) if layer.forward else module(x_in, cu_here)
+
+            y, calls[s, m] = recorded_forward(forward, x, recompute)
             part = loss_fn(y, dy, int(cu[-1]), M)
             part.backward()
             if layer.after_backward is not None:
@@ -154,7 +167,7 @@ def _train(case: RankTraining, groups, own, rank: int, device):
         optimizer.step()
         weights = {n: _snapshot(q.detach()) for n, q in module.named_parameters()}
         snapshots.append((loss, torch.as_tensor(whole(norm)).detach().double().cpu(), grads, weights))
-    return snapshots
+    return snapshots, calls
 
 
 def _snapshot(t):

@@ -13,12 +13,21 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     continuation-fp32  the same with the ranks' layer in float32 (<= 1e-5)
     state-pool     assert_state_pool_parity at TP 2: the slot-pool client (suites/state_pool_clients.py),
                    2 sequences live at once (slots freed and reused), decode padded to 4 rows
+    state-pool-prefix  assert_state_pool_parity at TP 2 in prefix mode: blocks of 4 tokens, 2 prefix
+                   hits (one with a 2-token chunk, shorter than W-1), snapshots and shared blocks checked
+    spec-decode    assert_spec_decode_parity at TP 2: the slot-pool client with verify and accept
+                   (suites/spec_decode_clients.py), 3 drafts per verify call, 0..3 accepted
+    long-decode    assert_long_decode_parity at TP 1, float32 ranks: 2 sequences, a 5-token
+                   prefill, 32 decode steps (the state-dtype rule and the error bound)
+    padded         assert_padded_continuation_parity at TP 2: the padded-batch client
+                   (suites/padded_clients.py), left padded, pad runs straddling call boundaries
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
 
 `run(spawn, check, subject)` raises AssertionError with the check's report when it fails; the
-subject is what the check takes (a ShardedLayer, a StatePath, a StatePoolPath, a layer class, a
-TrainingStep and its layer), None for the project's own. Reference runs are cached: the rows of one check share one.
+subject is what the check takes (a ShardedLayer, a StatePath, a StatePoolPath, a SpecDecodePath, a
+PaddedStatePath, a layer class, a TrainingStep and its layer), None for the project's own. Reference
+runs are cached: the rows of one check share one.
 """
 
 from __future__ import annotations
@@ -32,10 +41,14 @@ import torch
 
 from layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
 from linattn.layers import build_layer
-from pytest_linattn.harness import (Placement, SequencePlan, TrainingStep, assert_continuation_parity,
-                                    assert_sharded_parity, assert_state_pool_parity, assert_training_parity)
-from state_pool_clients import linattn_pool_path
+from padded_clients import linattn_padded_path
+from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, TrainingStep, assert_continuation_parity,
+                                    assert_padded_continuation_parity, assert_sharded_parity,
+                                    assert_spec_decode_parity, assert_state_pool_parity, assert_training_parity)
+from pytest_linattn.harness.long_decode import assert_long_decode_parity
 from pytest_linattn.parity import assert_parity
+from spec_decode_clients import linattn_spec_path
+from state_pool_clients import linattn_pool_path
 
 CONFIG = make_config("qwen3_5", 2)
 RTOL = 1e-10
@@ -51,6 +64,20 @@ CUT_CHUNK = 8  # plan_cuts' chunk size: cuts at 8, 7 and 9 tokens
 # is in a prefill call
 POOL_PLANS = (SequencePlan((1, 5, 6), 2), SequencePlan((4, 6), 2), SequencePlan((8,), 2), SequencePlan((3,), 4))
 POOL_CAPTURE_SIZES = (4,)
+# prefix mode: sequence 0 snapshots at tokens 4 and 8; sequence 1 hits its first 8 and runs a
+# 2-token chunk (< W-1), sequence 2 hits its first 4 and snapshots at 8 itself
+PREFIX_SEQLENS = (12, 11, 9)
+PREFIX_CU = torch.tensor([0, *PREFIX_SEQLENS]).cumsum(0).to(torch.int32)
+PREFIX_PLANS = (SequencePlan((4, 4, 2), 2), SequencePlan((2,), 1), SequencePlan((4,), 1))
+PREFIX_HITS = {1: (0, 8), 2: (0, 4)}
+PREFIX_BLOCK = 4
+# verify rounds of 3 drafts: every round mixes 0 < j < 3 with j = 3 (where keeping every draft is right)
+SPEC_PLANS = (SpecPlan((1, 5), (2, 3)), SpecPlan((4,), (3, 1)), SpecPlan((6,), (0, 2)), SpecPlan((3,), (1, 0)))
+SPEC_DRAFTS = 3
+LONG_DECODE_STEPS = 32  # a bf16 state fails the dtype rule at step 1, the error bound within a few steps
+# left padded: row 1's 5 pads fill call 0 and straddle into call 1, row 3's 7 pads span calls 0..2
+PADDED_SEQLENS = (7, 3, 5, 1)
+PADDED_WIDTH, PADDED_CUTS, PADDED_DECODE = 8, (3, 5), 2
 TRAINING_PACKINGS = [[0, 1, 14, 24, 32], [0, 5, 24, 32]]  # one length, two packings
 MAX_NORM = 0.05  # under every step's gradient norm: clipping bites
 FLOAT32_RTOL = 1e-5
@@ -64,6 +91,10 @@ CHECKS = {
     "continuation": "continuation (`assert_continuation_parity`, TP 2, float64)",
     "continuation-fp32": "continuation (`assert_continuation_parity`, TP 2, float32 at 1e-5)",
     "state-pool": "state pool (`assert_state_pool_parity`, TP 2, slots reused, decode padded to 4 rows)",
+    "state-pool-prefix": "state pool, prefix mode (`assert_state_pool_parity`, TP 2, blocks of 4, 2 prefix hits)",
+    "spec-decode": "speculative decoding (`assert_spec_decode_parity`, TP 2, 3 drafts, 0..3 accepted)",
+    "long-decode": "long decode (`assert_long_decode_parity`, float32, 32 steps, state dtype >= float32)",
+    "padded": "padded batches (`assert_padded_continuation_parity`, TP 2, left padded, pads straddling calls)",
     "training-tp": "training step (`assert_training_parity`, TP 2)",
     "training-cp": "training step (`assert_training_parity`, CP 2)",
 }
@@ -141,6 +172,33 @@ def state_pool(spawn, path=None):
                              capture_sizes=POOL_CAPTURE_SIZES, name="record")
 
 
+def state_pool_prefix(spawn, path=None):
+    assert_state_pool_parity(spawn, path or linattn_pool_path(CONFIG), reference(), [Placement(tp=2)], PREFIX_CU,
+                             plans=PREFIX_PLANS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, max_live=2,
+                             capture_sizes=POOL_CAPTURE_SIZES, block_size=PREFIX_BLOCK, prefix_hits=PREFIX_HITS,
+                             name="record")
+
+
+def spec_decode(spawn, path=None):
+    assert_spec_decode_parity(spawn, path or linattn_spec_path(CONFIG), reference(), [Placement(tp=2)], SPEC_PLANS,
+                              num_draft=SPEC_DRAFTS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
+                              name="record")
+
+
+def long_decode(spawn, path=None):
+    # one rank: a collective per decode step at TP costs more than it shows; TP is the short checks'
+    assert_long_decode_parity(spawn, path or state_path(), reference(), [Placement(tp=1)], num_sequences=2, prefill=5,
+                              steps=LONG_DECODE_STEPS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=FLOAT32_RTOL,
+                              name="record")
+
+
+def padded(spawn, path=None):
+    assert_padded_continuation_parity(spawn, path or linattn_padded_path(CONFIG), reference(), [Placement(tp=2)],
+                                      PADDED_SEQLENS, padding="left", cuts=PADDED_CUTS, decode=PADDED_DECODE,
+                                      width=PADDED_WIDTH, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
+                                      name="record")
+
+
 def training(spawn, subject, placement):
     layer, step = subject or (None, None)
     steps = assert_training_parity(spawn, layer or linattn_layer(CONFIG), reference(), [placement], TRAINING_PACKINGS,
@@ -167,6 +225,14 @@ def run(spawn, check, subject=None):
         return continuation(spawn, subject, dtype=torch.float32, rtol=FLOAT32_RTOL)
     if check == "state-pool":
         return state_pool(spawn, subject)
+    if check == "state-pool-prefix":
+        return state_pool_prefix(spawn, subject)
+    if check == "spec-decode":
+        return spec_decode(spawn, subject)
+    if check == "long-decode":
+        return long_decode(spawn, subject)
+    if check == "padded":
+        return padded(spawn, subject)
     if check == "training-tp":
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":

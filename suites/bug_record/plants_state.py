@@ -6,7 +6,10 @@ decode step alone carries the bug. Module-level: spawn's ranks get them by refer
 Every plant here runs only on the stateful path (a call from a carried state, a decode step), so
 the continuation check, which compares the calls with one full forward, is the check that sees it;
 a plant of a state-pool client (`decode(module, x, pool, slots, num_valid, placement)`) is seen by
-the state-pool check, which also requires the live slots a call did not schedule to stay unchanged.
+the state-pool check, which also requires the live slots a call did not schedule to stay unchanged;
+a plant of the spec-decode client's accept by the spec-decode check, of the padded-batch client's
+forward by the padded continuation check, a state stored in bf16 by the long-decode check, and a
+prefill's prefix snapshots and blocks by the state-pool check's prefix mode.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import torch.nn.functional as F
 
 from linattn import kernels
 from linattn.layers import GatedDeltaNet, LayerState
+from padded_clients import padded_forward, run_rows
+from state_pool_clients import pool_prefill
 
 
 def _rows_where(mask, rows, other):
@@ -137,16 +142,14 @@ class DecodeBetaThroughBF16(GatedDeltaNet):
         return super()._delta_rule(q, k, v, g, beta, cu_seqlens, cp_context, carry, **gate)
 
 
-# ---- classes without a check: the closest check runs, and cannot see them ------------------------
-
-
-class DecodeStoringStateInInputDtype(GatedDeltaNet):
+class DecodeStoringStateInBF16(GatedDeltaNet):
     """TensorRT-Model-Connect #725: the persistent recurrent state written back in the storage
-    dtype (bf16) every decoded token. Seen only over hundreds of steps, or by a state-dtype rule."""
+    dtype (bf16) every decoded token, read back into the float32 step. Seen by the long-decode
+    check's state-dtype rule, and by its error bound within a few steps."""
 
     def step(self, hidden_states, state):
         y, new = super().step(hidden_states, state)
-        return y, LayerState(new.conv, new.recurrent.to(hidden_states.dtype))
+        return y, LayerState(new.conv, new.recurrent.to(torch.bfloat16))
 
 
 def decode_writing_padding_rows_through_slot_0(module, x, pool, slots, num_valid, placement):
@@ -161,47 +164,42 @@ def decode_writing_padding_rows_through_slot_0(module, x, pool, slots, num_valid
     return y
 
 
-def prefill_writing_a_short_chunk_into_the_prefix_block(module, x, cu_seqlens, state, placement):
-    """vLLM #56196: with prefix caching, a chunk shorter than W-1 writes its conv state into the
-    shared prefix block it read from; its own block is never written. The state the call returns
-    is right: the pool's blocks are not."""
-    y, new = _call(module, x, cu_seqlens, state)
-    blocks = module.__dict__.setdefault("_prefix_blocks", {})
-    calls = module.__dict__["_calls"] = module.__dict__.get("_calls", 0) + 1
-    for n, length in enumerate(cu_seqlens.diff().tolist()):
-        own, read_from = (n, calls), (n, calls - 1)
-        blocks[read_from if length < new.conv.shape[-1] else own] = new.conv[n].detach()
-    return y, new
+def prefill_writing_a_short_chunk_into_the_prefix_block(module, x, cu_seqlens, pool, slots, fresh, placement,
+                                                        snapshot_slots, prefix_slots):
+    """vLLM #56196 (a state-pool client's prefill in prefix mode): a prefix hit's chunk shorter
+    than W-1 writes its conv state into the shared prefix block it read from; its own slot is
+    never written (it keeps the conv state it held)."""
+    own_conv = pool[0][slots].clone()
+    y = pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots, prefix_slots)
+    short = (prefix_slots >= 0) & (cu_seqlens.diff().to(prefix_slots.device) < module.local_config.conv_size - 1)
+    pool[0][prefix_slots[short]] = pool[0][slots[short]]
+    pool[0][slots[short]] = own_conv[short]
+    return y
 
 
-def prefill_without_track_snapshots(module, x, cu_seqlens, state, placement):
-    """sglang #31474: the KDA backend never writes the mamba track snapshots at block boundaries,
-    so a later prefix hit restores whatever the slot held. Nothing in this call reads them."""
-    return _call(module, x, cu_seqlens, state)
+def prefill_without_track_snapshots(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots,
+                                    prefix_slots):
+    """sglang #31474 (a state-pool client's prefill in prefix mode): the KDA backend never writes
+    the mamba track snapshots at block boundaries, so a later prefix hit restores whatever the
+    snapshot slot held."""
+    return pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, None, prefix_slots)
 
 
-def verify_keeping_rejected_drafts(module, drafts, state, accepted):
-    """sglang #27658 / #40419's class: a speculative verify of K drafts keeps the state advanced by
-    all K, whatever was accepted (the right state is the one after the accepted ones)."""
-    y = []
-    for j in range(drafts.shape[1]):
-        out, state = module.step(drafts[:, j:j + 1], state)
-        y.append(out)
-    return torch.cat(y, dim=1)[:, :accepted], state
+def accept_keeping_rejected_drafts(module, pool, slots, num_accepted_tokens, placement):
+    """sglang #27658 / #40419, vllm-ascend #12255 (the spec-decode client's accept,
+    `SpecDecodePath.accept`): the slot keeps the state the verify call advanced through all K
+    drafts, whatever was accepted. Right where every draft was accepted, wrong everywhere else."""
+    rows = torch.arange(slots.numel(), device=slots.device)
+    for f, kept in zip(pool, module.verify_states):
+        f[slots] = kept[-1, rows]
+    module.verify_states = None
 
 
-def decode_through_verify(module, x, state, placement):
-    """Decode as a one-draft verify, every draft accepted: x `[1, N, hidden]`, one token each."""
-    ys, finals = [], []
-    for n in range(x.shape[1]):
-        y, new = verify_keeping_rejected_drafts(module, x[:, n:n + 1], LayerState(*(s[n:n + 1] for s in state)), 1)
-        ys.append(y)
-        finals.append(new)
-    return torch.cat(ys, dim=1), LayerState(*(torch.cat(f) for f in zip(*finals)))
-
-
-def prefill_with_unmasked_padding(module, x, cu_seqlens, state, placement, attention_mask=None):
-    """transformers #47086: on a continued forward the padding mask is not applied, so pad tokens
-    enter the conv and recurrent state. The packed calls here carry no padding."""
-    del attention_mask  # the bug: never applied to x before the conv and the recurrence
-    return _call(module, x, cu_seqlens, state)
+def forward_ignoring_the_mask_when_continued(module, x, attention_mask, state, placement):
+    """transformers #47086 (the padded-batch client's forward, `PaddedStatePath.forward`): the
+    first call (an empty cache) applies the attention mask; a continued forward does not, so the
+    pads of a padding run that straddles a call boundary enter the conv and recurrent state as
+    tokens."""
+    if state is None:
+        return padded_forward(module, x, attention_mask, state, placement)
+    return run_rows(module, x, torch.ones_like(attention_mask), state)

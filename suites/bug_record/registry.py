@@ -27,6 +27,8 @@ from bug_record import plants_layer as L
 from bug_record import plants_state as S
 from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
 from pytest_linattn.harness import TrainingStep
+from padded_clients import linattn_padded_path
+from spec_decode_clients import linattn_spec_path
 from state_pool_clients import linattn_pool_path
 
 __all__ = ["BUGS", "Bug", "Report", "by_key"]
@@ -85,6 +87,14 @@ def _pool(**fields):
     return functools.partial(linattn_pool_path, CONFIG, **fields)
 
 
+def _spec(**fields):
+    return functools.partial(linattn_spec_path, CONFIG, **fields)
+
+
+def _padded(**fields):
+    return functools.partial(linattn_padded_path, CONFIG, **fields)
+
+
 def _training(cls=None, layer_fields=None, **step):
     def make():
         return (L.planted_layer(CONFIG, cls, **(layer_fields or {})), TrainingStep(steps=2, max_norm=MAX_NORM, **step))
@@ -110,6 +120,21 @@ POOL_CALL = r"call \d+ \((decode|prefill) of sequences \[[\d, ]+\] in slots \[[\
 # a padding row's write to live slot 0 (the call, the slot, its sequence), then the first token it spoils
 POOL_SLOT_0 = (POOL_CALL + r" changed live slot 0 \(sequence \d+, [^)]*\), which it did not schedule: field \w+"
                r"[\s\S]*?first wrong token: sequence \d+ \([^)]*\) token \d+, " + POOL_CALL + r", its slot 0")
+PREFIX_CALL = (r"call \d+ \(prefill of sequences \[[\d, ]+\] in slots \[[\d, ]+\](, snapshots to slots \[[-\d, ]+\])?"
+               r"(, from prefix slots \[[-\d, ]+\])?\)")
+# a prefix hit's call writing the block it read from
+PREFIX_BLOCK_WRITTEN = (PREFIX_CALL + r" changed prefix block slot \d+ \(the snapshot of sequence \d+ at token \d+\), "
+                        r"which it read from: field conv, max \|change\| \S+ \(rank \d\)")
+# a snapshot slot left as it was: not the state at its block boundary
+SNAPSHOT_WRONG = (PREFIX_CALL + r": the snapshot of sequence \d+ \([^)]*\) at token \d+ in slot \d+ is not the state "
+                  r"there: field \w+ error \S+")
+# a verify call's slot left holding a state past its accepted drafts
+SPEC_STATE = (r"call \d+ \(verify round \d+: 3 drafts each of sequences \[[\d, ]+\] in slots \[[\d, ]+\], accepted "
+              r"\[[\d, ]+\]\): slot \d+, sequence \d+ \([^)]*\), state after token \d+, [012] of 3 drafts accepted: "
+              r"field \w+ error \S+")
+# a row whose pads straddle into a continued call: its state after that call is off, then its first token
+PADDED_STATE = (r"call [12] \(prefill of columns \d+\.\.\d+, pads per row \[[\d, ]+\]\): row \d \(a \d-token prompt\), "
+                r"state before its first token \(zeros\): field \w+ error \S+")
 
 BUGS = (
     Bug("megatron-7452", "1", (gh("NVIDIA/Megatron-LM", 7452),),
@@ -205,11 +230,8 @@ BUGS = (
         located=FIRST_WRONG + r"chunk 1 of \d \(tokens 0\.\.\d+, a \d+-token chunk from the initial state\), token 0"),
     Bug("vllm-56196", "26", (gh("vllm-project/vllm", 56196),),
         "with prefix caching a chunk shorter than W-1 wrote its conv state into the shared prefix block it read "
-        "from; its own block was never written", "state pool (conv)", "No", "continuation",
-        _path(prefill=S.prefill_writing_a_short_chunk_into_the_prefix_block), "stateful",
-        missing="the prefix blocks of the state-pool check: shared prefix blocks a later request restores from, "
-                "a chunk's conv state written to its own block (the state-pool check keeps one slot per sequence, "
-                "read and written by that sequence's calls only, so a write to the block it read from is its own)"),
+        "from; its own block was never written", "state pool (conv)", "No", "state-pool-prefix",
+        _pool(prefill=S.prefill_writing_a_short_chunk_into_the_prefix_block), "stateful", located=PREFIX_BLOCK_WRITTEN),
     Bug("vllm-37728-padded-slots", "27", (gh("vllm-project/vllm", 37728), gh("vllm-project/vllm", 49757),
                                           gh("vllm-project/vllm", 55178), gh("NVIDIA/TensorRT-LLM", 13151)),
         "CUDA-graph padded rows or DP dummy runs write state through a padding slot equal to a live slot (0)",
@@ -217,16 +239,12 @@ BUGS = (
         "stateful", located=POOL_SLOT_0),
     Bug("sglang-31474", "28", (gh("sgl-project/sglang", 31474),),
         "the KDA backend never wrote mamba track snapshots, so prefix hits restored garbage state",
-        "state carry (prefix cache)", "No", "continuation", _path(prefill=S.prefill_without_track_snapshots),
-        "stateful",
-        missing="the prefix-snapshot check: restore from a snapshot taken at a block boundary and compare with the "
-                "continued run (the continuation check has no prefix hits)"),
+        "state carry (prefix cache)", "No", "state-pool-prefix", _pool(prefill=S.prefill_without_track_snapshots),
+        "stateful", located=SNAPSHOT_WRONG),
     Bug("spec-decode-verify", "29", (gh("sgl-project/sglang", 27658), gh("sgl-project/sglang", 40419),
                                      gh("vllm-project/vllm-ascend", 12255)),
         "spec-decode verify keeps the state advanced by rejected drafts", "MTP / spec decode", "No",
-        "continuation", _path(decode=S.decode_through_verify), "stateful",
-        missing="the speculative-decoding check: verify K drafts in one call, accept j < K, resume from the state "
-                "after j (the continuation check has no verify step; every draft here is accepted)"),
+        "spec-decode", _spec(accept=S.accept_keeping_rejected_drafts), "stateful", located=SPEC_STATE),
     Bug("sglang-38975", "30", (gh("sgl-project/sglang", 38975),),
         "GDN packed decode rounds sigmoid(beta) through bf16; the error enters the state every token",
         "dtype (state precision)", "No", "continuation", _path(S.DecodeBetaThroughBF16), "stateful",
@@ -234,15 +252,15 @@ BUGS = (
     Bug("trt-model-connect-725", "31", (gh("NVIDIA/TensorRT-Model-Connect", 725, "pull"), gh("ollama/ollama", 15865),
                                         gh("intel/llm-scaler", 559)),
         "the persistent DeltaNet state is written back in the storage dtype (bf16) every token",
-        "dtype (state storage)", "No", "continuation-fp32", _path(S.DecodeStoringStateInInputDtype), "stateful",
-        missing="the long-decode check: 256 to 1024 decode steps, a float32 state-dtype rule, sub-linear error "
-                "growth (a float32 run stores its state in float32: the storage dtype is the compute dtype)"),
+        "dtype (state storage)", "No", "long-decode", _path(S.DecodeStoringStateInBF16), "stateful",
+        located=(r"state dtype: decode step 1 returned field recurrent in torch\.bfloat16, below the contract "
+                 r"torch\.float32[\s\S]*?error growth: state field recurrent first exceeds the bound at decode step "
+                 r"\d+: error \S+ > \S+")),
     Bug("padding-in-state", "32", (gh("huggingface/transformers", 47086), gh("huggingface/transformers", 48256),
                                    gh("AI-Hypercomputer/maxtext", 5295, "pull")),
         "padding leaks into the conv / recurrent state on continued forwards", "padding masks in the state path",
-        "No", "continuation", _path(prefill=S.prefill_with_unmasked_padding), "stateful",
-        missing="the padding check: left / right padded batches and a pad run straddling a call boundary in the "
-                "continuation check (its calls are packed, without pads)"),
+        "No", "padded", _padded(forward=S.forward_ignoring_the_mask_when_continued), "stateful",
+        located=PADDED_STATE),
     Bug("megatron-4495", "33", (gh("NVIDIA/Megatron-LM", 4495), gh("verl-project/verl", 6559),
                                 gh("modelscope/mcore-bridge", 162)),
         "THD + CP: local chunks indexed with the unpadded cu_seqlens_q instead of cu_seqlens_q_padded",
