@@ -21,6 +21,9 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    prefill, 32 decode steps (the state-dtype rule and the error bound)
     padded         assert_padded_continuation_parity at TP 2: the padded-batch client
                    (suites/padded_clients.py), left padded, pad runs straddling call boundaries
+    isolation      assert_document_isolation: the layers in a two-block decoder stack
+                   (suites/isolation_clients.py) fed position_ids only, as a packing collator
+                   gives them; one token of each document perturbed, the others bitwise unchanged
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
 
@@ -94,6 +97,7 @@ CHECKS = {
     "state-pool-prefix": "state pool, prefix mode (`assert_state_pool_parity`, TP 2, blocks of 4, 2 prefix hits)",
     "spec-decode": "speculative decoding (`assert_spec_decode_parity`, TP 2, 3 drafts, 0..3 accepted)",
     "long-decode": "long decode (`assert_long_decode_parity`, float32, 32 steps, state dtype >= float32)",
+    "isolation": "document isolation (`assert_document_isolation`, a decoder stack fed position_ids only)",
     "padded": "padded batches (`assert_padded_continuation_parity`, TP 2, left padded, pads straddling calls)",
     "training-tp": "training step (`assert_training_parity`, TP 2)",
     "training-cp": "training step (`assert_training_parity`, CP 2)",
@@ -192,6 +196,22 @@ def long_decode(spawn, path=None):
                               name="record")
 
 
+ISOLATION_DOCUMENTS = [6, 5, 7]  # each longer than the conv's reach (W - 1 = 3 tokens)
+
+
+def isolation(stack_class=None):
+    """The document-isolation check on a decoder stack of the record's layer (`stack_class` a
+    planted decoder), boundaries fed as position_ids only."""
+    from isolation_clients import DecoderStack, stack_call
+    from pytest_linattn.harness import assert_document_isolation
+
+    stack = (stack_class or DecoderStack)(CONFIG, seed=SEED)
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(1, sum(ISOLATION_DOCUMENTS), CONFIG.hidden_size, generator=gen, dtype=torch.float64)
+    assert_document_isolation(stack_call(stack), x, ISOLATION_DOCUMENTS, feed="position_ids", seed=SEED,
+                              name="record")
+
+
 def padded(spawn, path=None):
     assert_padded_continuation_parity(spawn, path or linattn_padded_path(CONFIG), reference(), [Placement(tp=2)],
                                       PADDED_SEQLENS, padding="left", cuts=PADDED_CUTS, decode=PADDED_DECODE,
@@ -233,6 +253,8 @@ def run(spawn, check, subject=None):
         return long_decode(spawn, subject)
     if check == "padded":
         return padded(spawn, subject)
+    if check == "isolation":
+        return isolation(subject)
     if check == "training-tp":
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":

@@ -203,20 +203,6 @@ def shard_gate_unsliced_beyond_key_heads(config, full, placement, tp_rank):
 # ---- classes without a check: the closest check runs, and cannot see them ------------------------
 
 
-def decoder_call(module, x, cu_seqlens=None, position_ids=None):
-    """LlamaFactory #10787 / transformers #46851's class: the decoder hands the linear-attention
-    layer the boundaries only when the caller passes cu_seqlens; from position_ids alone (what a
-    packed trainer passes) it derives nothing, and the layer sees one sequence."""
-    if cu_seqlens is None:
-        cu_seqlens = torch.tensor([0, x.shape[1]], dtype=torch.int32, device=x.device)
-    return module(x, cu_seqlens)
-
-
-def forward_through_the_decoder(module, x, cu_seqlens, placement):
-    """How the harness calls the layer (it hands cu_seqlens), through the decoder's entry."""
-    return decoder_call(module, x, cu_seqlens=cu_seqlens)
-
-
 class ContextFromUnpaddedBoundaries(GatedDeltaNet):
     """Megatron-LM #4495's class: under THD + CP the local chunks are indexed with the unpadded
     cu_seqlens where the tokens lie at cu_seqlens_padded. Without padding the two are equal."""

@@ -26,6 +26,7 @@ from collections.abc import Callable
 from bug_record import plants_layer as L
 from bug_record import plants_state as S
 from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
+from isolation_clients import IgnoresPositionIds
 from pytest_linattn.harness import TrainingStep
 from padded_clients import linattn_padded_path
 from spec_decode_clients import linattn_spec_path
@@ -66,6 +67,7 @@ class Bug:
     located: str = ""  # regex over the check's report (caught rows)
     missing: str = ""  # the check not built yet (strict xfail rows)
     suite: str = "cpu"  # "gpu-1": a kernel bug only fla's GPU kernels have; the CPU row is its xfail
+    gpu_test: str = ""  # the GPU suite's test that catches it (suites/<suite>/test_bug_record_gpu1.py)
 
     @property
     def caught(self) -> bool:
@@ -193,9 +195,9 @@ BUGS = (
                                       gh("modelscope/ms-swift", 9565), gh("verl-project/verl", 6660),
                                       gh("pytorch/torchtitan", 3892)),
         "the GDN layer never gets the boundaries: the decoder passes position_ids it does not turn into cu_seqlens",
-        "model-level packing plumbing", "No", "tp-parity", _layer(forward=L.forward_through_the_decoder), "everywhere",
-        missing="the model-level packing check: a decoder given position_ids only, one document's token perturbed, "
-                "only that document's outputs may change (the harness hands cu_seqlens to the layer)"),
+        "model-level packing plumbing", "No", "isolation", lambda: IgnoresPositionIds, "everywhere",
+        located=r"perturbing document \d+ token \d+ \(global \d+\): document \d+'s outputs changed from its "
+                r"token \d+ \(global \d+\) on"),
     Bug("accelerate-4177", "14", (gh("huggingface/accelerate", 4177),),
         "Ulysses CP wrapped only attention, so GDN ran on local shards and every rank restarted the state at zero",
         "CP (state not passed)", "Check", "cp-parity", _layer(L.StateNotPassedOverCP), "sharded",
@@ -211,11 +213,13 @@ BUGS = (
     Bug("fla-955", "19", (gh("fla-org/flash-linear-attention", 955, "pull"),),
         "causal_conv1d_bwd with B > 1 corrupts dweight (dx right)", "gradient (kernel, batch shape)", "No",
         "tp-parity", _layer(L.ConvWeightGradFromFirstRow), "sharded", suite="gpu-1",
+        gpu_test="test_batch_of_two_rows_through_the_conv_backward",
         missing="the B > 1 kernel check (suites/gpu-1/test_bug_record_gpu1.py: fla's conv on a batch of 2 rows; "
                 "the harness packs B = 1)"),
     Bug("fla-871-1138", "21", (gh("fla-org/flash-linear-attention", 871), gh("fla-org/flash-linear-attention", 1138)),
         "the conv backward read dy with hard-coded contiguous strides: wrong dx / dh0 for a non-contiguous dy",
         "kernel layout (strides)", "No", "tp-parity", _layer(L.ConvReadingDyAsContiguous), "sharded", suite="gpu-1",
+        gpu_test="test_strided_dy_into_the_conv_backward",
         missing="the strided-dy kernel check (suites/gpu-1/test_bug_record_gpu1.py: a split of a fused gradient "
                 "into fla's conv backward; linattn's conv gradients arrive contiguous)"),
     Bug("transformers-46741", "22", (gh("huggingface/transformers", 46741),),

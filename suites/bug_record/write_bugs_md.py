@@ -5,7 +5,9 @@
 runs `pytest suites/cpu/record/test_bug_record.py` with a JUnit XML report, reads each registry
 entry's outcome (caught, strict xfail), the time its check took on the plant and the line of the
 check's report that locates it, and writes the table with the command, the date and the git
-commit it was made at. Nothing in docs/bugs.md is typed by hand.
+commit it was made at. The GPU rows (fla's kernels) come from the latest GPU run's JUnit report
+kept in docs/data (`bug-record-gpu1-<date>-<machine>-<commit>.xml`, from `.ci/gpu.sh
+suites/gpu-1/test_bug_record_gpu1.py`). Nothing in docs/bugs.md is typed by hand.
 """
 
 from __future__ import annotations
@@ -61,6 +63,20 @@ def outcomes(xml_path: Path) -> dict[str, dict]:
     return rows
 
 
+def gpu_outcomes() -> tuple[dict[str, dict], str]:
+    """{GPU test name: {"outcome", "seconds"}} of the latest kept GPU run, and where it ran."""
+    runs = sorted((ROOT / "docs" / "data").glob("bug-record-gpu1-*.xml"))
+    if not runs:
+        return {}, ""
+    date, machine, commit = re.fullmatch(r"bug-record-gpu1-(\d{4}-\d\d-\d\d)-(.+)-(\w+)\.xml", runs[-1].name).groups()
+    rows = {}
+    for case in ET.parse(runs[-1]).getroot().iter("testcase"):
+        failed = case.find("failure") is not None or case.find("error") is not None
+        outcome = "failed" if failed else "skipped" if case.find("skipped") is not None else "caught"
+        rows[case.get("name", "").split("@")[0]] = dict(outcome=outcome, seconds=case.get("time"))
+    return rows, f"nvidia-{machine}, {date}, commit {commit}, `docs/data/{runs[-1].name}`"
+
+
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
@@ -72,9 +88,11 @@ def _commit() -> str:
     return sha + (" (with uncommitted changes)" if dirty else "")
 
 
-def render(rows: dict[str, dict], seconds: float, date: str, commit: str) -> str:
+def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({}, "")) -> str:
+    gpu_rows, gpu_run = gpu
     caught = [b for b in BUGS if rows.get(b.key, {}).get("outcome") == "caught"]
     waiting = [b for b in BUGS if rows.get(b.key, {}).get("outcome") == "xfail"]
+    on_gpu = [b for b in BUGS if b.gpu_test and gpu_rows.get(b.gpu_test, {}).get("outcome") == "caught"]
     lines = [
         "# The bug record",
         "",
@@ -87,7 +105,8 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str) -> str
         "",
         f"**{len(caught)} of {len(BUGS)} reported bugs caught**, each with a located report; "
         f"{len(waiting)} wait for a check not built yet (strict xfails: the closest check runs on the plant",
-        "and cannot see it, so building the check turns them into failures to update).",
+        "and cannot see it, so building the check turns them into failures to update)"
+        + (f"; {len(on_gpu)} of those, kernel bugs, are caught on a GPU ({gpu_run})." if on_gpu else "."),
         "",
         "A plant that changes the replicated layer as much as the sharded one is invisible to",
         "sharded-vs-replicated parity; such plants are caught by the oracle (the layer against a composition",
@@ -112,7 +131,12 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str) -> str
         else:
             verdict, took, where = row["outcome"], "", ""
         if b.suite != "cpu":
-            where += f" (GPU row: `suites/{b.suite}/test_bug_record_gpu1.py`)"
+            on, test = gpu_rows.get(b.gpu_test, {}), f"`suites/{b.suite}/test_bug_record_gpu1.py::{b.gpu_test}`"
+            if on.get("outcome") == "caught":
+                verdict, took = "on GPU", f"{float(on['seconds']):.2f} s (GPU)"
+                where = f"{test} on fla's kernel, the tensor named (on the CPU a strict xfail: {_cell(b.missing)})"
+            else:
+                where += f" (GPU row: {test})"
         lines.append(f"| {b.row} | **{b.key}**: {_cell(b.mechanism)} | {reports} | {_cell(b.bug_class)} | "
                      f"{CHECKS[b.check]} | {b.runs} | {verdict} | {took} | {where} |")
     lines += ["", "Rows marked \"also\" come from the record's list of related reports outside its main table.", ""]
@@ -144,7 +168,7 @@ def main() -> None:
     if missing or any(r["outcome"] in ("failed", "skipped") for r in rows.values()):
         raise SystemExit(f"every entry must be caught or a strict xfail; not run: {missing}; rows: {rows}")
     date = datetime.date.today().isoformat()
-    (ROOT / "docs" / "bugs.md").write_text(render(rows, seconds, date, _commit()))
+    (ROOT / "docs" / "bugs.md").write_text(render(rows, seconds, date, _commit(), gpu_outcomes()))
     caught = sum(r["outcome"] == "caught" for r in rows.values())
     update_readme(caught, len(BUGS))
     print(f"docs/bugs.md: {caught} of {len(BUGS)} caught, {len(BUGS) - caught} strict xfails")
