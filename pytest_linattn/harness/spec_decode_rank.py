@@ -11,7 +11,8 @@ import dataclasses
 import torch
 
 from .placement import Placement
-from .sharded_parity_rank import load_shard, run_device
+from .sharded_parity_rank import run_device
+from .state_pool_rank import rank_layer_and_pool, rebuild_state
 
 __all__ = ["RankSpec", "SpecCall", "run_spec_on_rank"]
 
@@ -52,15 +53,8 @@ def run_spec_on_rank(case: RankSpec) -> dict:
     """Rank function (for spawn): per call its outputs `y` and the scheduled slots' state after it
     (this rank's shard, one row per sequence of the call), and the slots a call changed without
     scheduling them: (call index, slot, field, max |change|)."""
-    import torch.distributed as dist
-
-    p, path, device = case.placement, case.path, run_device()
-    tp_rank = dist.get_rank() % p.tp
-    module = path.layer.build(p, path.layer.process_groups(p), case.dtype, device)
-    if path.layer.shard is not None:
-        load_shard(module, path.layer.shard(case.weights, p, tp_rank))
-    pool = case.pool if p.tp == 1 else path.shard_state(case.pool, p, tp_rank)
-    pool = _rebuild(case.pool, [t.to(device, case.dtype).clone() for t in pool])
+    p, device = case.placement, run_device()
+    path, (module, pool) = case.path, rank_layer_and_pool(case, device)
     out, changed = [], []
     with torch.no_grad():
         for i, call in enumerate(case.calls):
@@ -72,7 +66,7 @@ def run_spec_on_rank(case: RankSpec) -> dict:
             else:
                 y = path.verify(module, x, cu, pool, slots, p)
                 path.accept(module, pool, slots, torch.tensor(call.accepted, dtype=torch.int64, device=device), p)
-            states = _rebuild(case.pool, [t[slots].detach().cpu() for t in pool])
+            states = rebuild_state(case.pool, [t[slots].detach().cpu() for t in pool])
             out.append(dict(y=y.detach().cpu().to(case.dtype), states=states))
             for slot in range(pool[0].shape[0]):
                 if slot in call.slots:
@@ -83,6 +77,3 @@ def run_spec_on_rank(case: RankSpec) -> dict:
                         changed.append((i, slot, name, diff))
     return dict(calls=out, changed=changed)
 
-
-def _rebuild(like, fields):
-    return type(like)(*fields) if hasattr(like, "_fields") else type(like)(fields)

@@ -60,15 +60,8 @@ def run_pool_on_rank(case: RankPool) -> dict:
     `[N, ...]` per field (this rank's shard), the unscheduled live slots a call changed: (call
     index, slot, sequence, field, max |change|), the snapshots as written (slot -> fields), and the
     prefix blocks a later call changed: (call index, slot, field, max |change|)."""
-    import torch.distributed as dist
-
-    p, path, device = case.placement, case.path, run_device()
-    tp_rank = dist.get_rank() % p.tp
-    module = path.layer.build(p, path.layer.process_groups(p), case.dtype, device)
-    if path.layer.shard is not None:
-        load_shard(module, path.layer.shard(case.weights, p, tp_rank))
-    pool = case.pool if p.tp == 1 else path.shard_state(case.pool, p, tp_rank)
-    pool = _rebuild(case.pool, [t.to(device, case.dtype).clone() for t in pool])
+    p, device = case.placement, run_device()
+    path, (module, pool) = case.path, rank_layer_and_pool(case, device)
     x = case.x.to(device, case.dtype)
     y_out = torch.zeros(tuple(case.x.shape), dtype=case.dtype)
     num_sequences = 1 + max(n for call in case.calls for n in call.sequences)
@@ -108,9 +101,24 @@ def run_pool_on_rank(case: RankPool) -> dict:
             for seq, slot in zip(call.sequences, call.slots):
                 for f, t in zip(final, pool):  # the latest state; the last call of the sequence leaves its final one
                     f[seq] = t[slot].detach().cpu()
-    return dict(y=y_out, final=_rebuild(case.pool, final), changed=changed, snapshots=snapshots,
+    return dict(y=y_out, final=rebuild_state(case.pool, final), changed=changed, snapshots=snapshots,
                 changed_blocks=changed_blocks)
 
 
-def _rebuild(like, fields):
+def rank_layer_and_pool(case, device):
+    """This rank's layer (built, its shard loaded) and its shard of the case's pool, in the case's
+    dtype on `device` (a state-pool or speculative-decoding case: placement, path, weights, pool)."""
+    import torch.distributed as dist
+
+    p, path = case.placement, case.path
+    tp_rank = dist.get_rank() % p.tp
+    module = path.layer.build(p, path.layer.process_groups(p), case.dtype, device)
+    if path.layer.shard is not None:
+        load_shard(module, path.layer.shard(case.weights, p, tp_rank))
+    pool = case.pool if p.tp == 1 else path.shard_state(case.pool, p, tp_rank)
+    return module, rebuild_state(case.pool, [t.to(device, case.dtype).clone() for t in pool])
+
+
+def rebuild_state(like, fields):
+    """`fields` as a state of `like`'s type (a named tuple or a tuple)."""
     return type(like)(*fields) if hasattr(like, "_fields") else type(like)(fields)
