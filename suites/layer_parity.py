@@ -106,7 +106,9 @@ def random_state_dict(config, seed, *, fla_init=False, round_to=None):
 
 def _build(config, placement, groups, dtype, device):
     tp_group, cp_group = groups
-    return build_layer(config, tp_group=tp_group, cp_group=cp_group, cp_layout=placement.cp_layout,
+    # the padded layout is linattn's zigzag, given cu_seqlens_padded with each forward
+    layout = "zigzag" if placement.padded else placement.cp_layout
+    return build_layer(config, tp_group=tp_group, cp_group=cp_group, cp_layout=layout,
                        sequence_parallel=placement.sequence_parallel, dtype=dtype, device=device)
 
 

@@ -137,7 +137,7 @@ class HeadShardedLinearAttention(nn.Module):
     # ---- forward ----
 
     def forward(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, state: LayerState | None = None, *,
-                output_final_state: bool = False):
+                output_final_state: bool = False, cu_seqlens_padded: torch.Tensor | None = None):
         """hidden_states `[1, T_local, hidden]`: this CP rank's T / cp tokens in the CP layout,
         under SP split again into tp contiguous slices of T / (cp * tp) tokens (T_local = T without
         CP and SP); cu_seqlens: the GLOBAL packed-sequence boundaries `[N + 1]` (int32), the same on
@@ -148,8 +148,16 @@ class HeadShardedLinearAttention(nn.Module):
         of zeros (a continued prefill; under CP on whichever rank the sequence starts).
         output_final_state: return `(y, LayerState)`, every sequence's state after its tokens,
         whole on every CP rank (its gradient must be whole on every CP rank too:
-        `linattn.parallel.cp.conv.sequences_ending_here`)."""
-        cu_seqlens, cp_context = self._check_inputs(hidden_states, cu_seqlens)
+        `linattn.parallel.cp.conv.sequences_ending_here`).
+
+        cu_seqlens_padded: padded THD (Megatron's / Transformer Engine's): the GLOBAL boundaries
+        `[N + 1]` of the sequences padded to multiples of 2 * cp_size, each sequence's real tokens
+        first; hidden_states then holds this rank's share of the padded tokens (T above is
+        cu_seqlens_padded[-1]). No pad reaches a real token (`linattn.parallel.cp.padded_runs`);
+        the pads' outputs are of no use. Not with state or output_final_state."""
+        if cu_seqlens_padded is not None and (state is not None or output_final_state):
+            raise ValueError("cu_seqlens_padded is not taken with state or output_final_state: give the unpadded batch")
+        cu_seqlens, cp_context = self._check_inputs(hidden_states, cu_seqlens, cu_seqlens_padded)
         carry = None
         if state is not None or output_final_state:
             num_sequences = cu_seqlens.numel() - 1
@@ -183,9 +191,10 @@ class HeadShardedLinearAttention(nn.Module):
         y = self._mix_tokens(x, cu_seqlens, None, carry)
         return reduce_from_tensor_parallel_region(y, self.tp_group), carry.final()
 
-    def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor):
+    def _check_inputs(self, hidden_states: torch.Tensor, cu_seqlens: torch.Tensor, cu_seqlens_padded=None):
         """ValueError naming the rule a bad input breaks, before any collective. Returns
-        (cu_seqlens as int64 on hidden_states' device, the CP context or None without CP)."""
+        (the kernels' boundaries as int64 on hidden_states' device, the CP context or None
+        without CP)."""
         hidden = self.config.hidden_size
         if not isinstance(hidden_states, torch.Tensor) or hidden_states.dim() != 3:
             raise ValueError(f"hidden_states must be a [1, T, hidden] tensor, got {getattr(hidden_states, 'shape', hidden_states)!r}")
@@ -193,7 +202,9 @@ class HeadShardedLinearAttention(nn.Module):
             raise ValueError(f"hidden_states must be packed as [1, T, {hidden}], got {tuple(hidden_states.shape)}")
         if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2:
             raise ValueError(f"cu_seqlens must be a 1-D tensor of at least 2 boundaries, got {getattr(cu_seqlens, 'shape', cu_seqlens)!r}")
-        total, device_cu_seqlens, cp_context = self._packed_batch(cu_seqlens, hidden_states.device)
+        # unpadded: the two-argument call, which subclasses overriding _packed_batch take
+        padded = () if cu_seqlens_padded is None else (cu_seqlens_padded,)
+        total, device_cu_seqlens, cp_context = self._packed_batch(cu_seqlens, hidden_states.device, *padded)
         local_tokens = hidden_states.shape[1]
         cp_tokens = total // self.cp_size  # this CP rank's tokens
         if self.sequence_parallel:
@@ -211,29 +222,42 @@ class HeadShardedLinearAttention(nn.Module):
                 )
         elif local_tokens != cp_tokens:
             what = "cu_seqlens[-1]" if self.cp_size == 1 else "cu_seqlens[-1] / cp_size"
+            if cu_seqlens_padded is not None:
+                what = what.replace("cu_seqlens[", "cu_seqlens_padded[")
             raise ValueError(f"hidden_states must hold {what} = {cp_tokens} tokens, got {local_tokens}")
         return device_cu_seqlens, cp_context
 
-    def _packed_batch(self, cu_seqlens: torch.Tensor, device):
-        """(total tokens, cu_seqlens as int64 on device, the CP context or None) of validated
-        boundaries. A step passes the same cu_seqlens tensor again and again: while it is the same
-        object, unchanged, the same results come back, so nothing is read back from the GPU (a
-        sync) and fla's caches keyed on the tensor (chunk indices, sequence ids) hit, as they do
-        for its own layers."""
+    def _packed_batch(self, cu_seqlens: torch.Tensor, device, cu_seqlens_padded=None):
+        """(total tokens, the kernels' boundaries as int64 on device, the CP context or None) of
+        validated boundaries. A step passes the same cu_seqlens tensor again and again: while it
+        is the same object, unchanged, the same results come back, so nothing is read back from
+        the GPU (a sync) and fla's caches keyed on the tensor (chunk indices, sequence ids) hit,
+        as they do for its own layers. Padded: the kernels run on the real and pad runs."""
         memo = self.__dict__.get("_packed_batch_memo")
-        key = (cu_seqlens._version, device)
-        if memo is not None and memo[0]() is cu_seqlens and memo[1] == key:
+        key = (cu_seqlens._version, device, None if cu_seqlens_padded is None else cu_seqlens_padded._version)
+        if memo is not None and memo[0]() is cu_seqlens and memo[1] == key and memo[3]() is cu_seqlens_padded:
             return memo[2]
-        total = int(cu_seqlens[-1])
-        validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+        if cu_seqlens_padded is None:
+            total = int(cu_seqlens[-1])
+            validate_cu_seqlens(cu_seqlens, total, "cu_seqlens")
+            runs = cu_seqlens
+        else:
+            _, runs = cp.padded_runs(cu_seqlens, cu_seqlens_padded, self.cp_size)
+            total = int(runs[-1])
         cp_context = None
         if self.cp_size > 1:
-            # cp.build_context checks the CP divisibility rules (T by cp, zigzag: T and every
-            # sequence length by 2 * cp); it only reads the group's size and rank
-            cp_context = cp.build_context(cu_seqlens, self.cp_group, self.cp_layout, total_tokens=total)
-        result = (total, cu_seqlens.to(device=device, dtype=torch.long), cp_context)
-        self.__dict__["_packed_batch_memo"] = (weakref.ref(cu_seqlens), key, result)
+            cp_context = self._cp_context(cu_seqlens, total, cu_seqlens_padded)
+        result = (total, runs.to(device=device, dtype=torch.long), cp_context)
+        padded_ref = (lambda: None) if cu_seqlens_padded is None else weakref.ref(cu_seqlens_padded)
+        self.__dict__["_packed_batch_memo"] = (weakref.ref(cu_seqlens), key, result, padded_ref)
         return result
+
+    def _cp_context(self, cu_seqlens, total: int, cu_seqlens_padded=None):
+        # cp.build_context checks the CP divisibility rules (T by cp, zigzag: T and every
+        # sequence length by 2 * cp; padded: every padded length by 2 * cp); it only reads the
+        # group's size and rank
+        return cp.build_context(cu_seqlens, self.cp_group, self.cp_layout, total_tokens=total,
+                                cu_seqlens_padded=cu_seqlens_padded)
 
     def _enter_tensor_parallel_region(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.sequence_parallel:

@@ -52,8 +52,9 @@ def check_recompute(value, where: str = "recompute"):
 
 def recorded_forward(forward, x, recompute):
     """On a rank: `forward(x)`, under checkpoint when `recompute` says so. Returns (y, calls):
-    calls gets one list per call of `forward` (the forward, then each replay as the backward
-    runs it), each collective as {"op", "site", "function", "group_size"}."""
+    under recompute, calls gets one list per call of `forward` (the forward, then each replay as
+    the backward runs it), each collective as {"op", "site", "function", "group_size"}; without,
+    it stays empty."""
     from torch.utils.checkpoint import checkpoint
 
     from ..mutation.rank import CollectiveInterceptor
@@ -68,8 +69,8 @@ def recorded_forward(forward, x, recompute):
         finally:
             calls.append([{k: c[k] for k in ("op", "site", "function", "group_size")} for c in mode.calls])
 
-    if not recompute:
-        return run(x), calls
+    if not recompute:  # nothing to compare: no dispatch mode over the layer
+        return forward(x), calls
     if recompute == "reentrant":
         # reentrant checkpoint passes gradients only through inputs that require them
         x_in = x if x.requires_grad else x.detach().requires_grad_()

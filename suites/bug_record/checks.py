@@ -21,6 +21,8 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    prefill, 32 decode steps (the state-dtype rule and the error bound)
     padded         assert_padded_continuation_parity at TP 2: the padded-batch client
                    (suites/padded_clients.py), left padded, pad runs straddling call boundaries
+    recompute      assert_sharded_parity at TP 2 with recompute='non-reentrant': the layer under
+                   torch.utils.checkpoint, its replay's collectives and gradients against the run without it
     isolation      assert_document_isolation: the layers in a two-block decoder stack
                    (suites/isolation_clients.py) fed position_ids only, as a packing collator
                    gives them; one token of each document perturbed, the others bitwise unchanged
@@ -97,6 +99,7 @@ CHECKS = {
     "state-pool-prefix": "state pool, prefix mode (`assert_state_pool_parity`, TP 2, blocks of 4, 2 prefix hits)",
     "spec-decode": "speculative decoding (`assert_spec_decode_parity`, TP 2, 3 drafts, 0..3 accepted)",
     "long-decode": "long decode (`assert_long_decode_parity`, float32, 32 steps, state dtype >= float32)",
+    "recompute": "TP parity under activation recompute (`assert_sharded_parity(recompute='non-reentrant')`, TP 2)",
     "isolation": "document isolation (`assert_document_isolation`, a decoder stack fed position_ids only)",
     "padded": "padded batches (`assert_padded_continuation_parity`, TP 2, left padded, pads straddling calls)",
     "training-tp": "training step (`assert_training_parity`, TP 2)",
@@ -255,6 +258,10 @@ def run(spawn, check, subject=None):
         return padded(spawn, subject)
     if check == "isolation":
         return isolation(subject)
+    if check == "recompute":
+        return assert_sharded_parity(spawn, subject or linattn_layer(CONFIG), reference(), [Placement(tp=2)], CU,
+                                     hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record",
+                                     recompute="non-reentrant")
     if check == "training-tp":
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from layer_parity import linattn_layer
-from linattn.layers import GatedDeltaNet, shard_state_dict
+from linattn.layers import GatedDeltaNet, build_layer, shard_state_dict
 from linattn.parallel import cp
 from linattn.parallel.cp import conv as cp_conv
 
@@ -247,3 +247,42 @@ class ConvReadingDyAsContiguous(GatedDeltaNet):
 
     def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
         return [_GradReadAsContiguous.apply(y) for y in super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)]
+
+
+# ---- activation recompute (class H): bugs only the checkpoint's replay exposes -------------------
+
+
+def forward_with_warm_up(module, x, cu_seqlens, placement):
+    """The layer's forward; its first call also all-gathers every rank's token count (a warm-up
+    whose result is cached on the module): the replay skips it."""
+    if not hasattr(module, "token_counts"):
+        counts = [torch.zeros(1, dtype=torch.int64) for _ in range(dist.get_world_size())]
+        dist.all_gather(counts, torch.tensor([x.shape[1]]))
+        module.token_counts = counts
+    return module(x, cu_seqlens)
+
+
+def build_with_balance_bias(config, placement, groups, dtype, device):
+    module = build_layer(config, tp_group=groups[0], cp_group=groups[1], dtype=dtype, device=device)
+    module.register_buffer("balance_bias", torch.zeros(config.hidden_size, dtype=dtype, device=device))
+    return module
+
+
+def forward_updating_balance_bias(module, x, cu_seqlens, placement):
+    """The layer on x + balance_bias; the bias then moves against the tokens' mean (as a router's
+    load-balancing bias moves against the load it saw): state the replay reads changed."""
+    y = module(x + module.balance_bias, cu_seqlens)
+    with torch.no_grad():
+        module.balance_bias.sub_(0.1 * x.mean(dim=(0, 1)).sign())
+    return y
+
+
+def warm_up_layer(config):
+    """VeOmni #1085's class: collectives the first forward issues and the replay does not."""
+    return dataclasses.replace(linattn_layer(config), forward=forward_with_warm_up)
+
+
+def balance_bias_layer(config):
+    """NVIDIA-NeMo/Automodel #3247's class: state the forward mutates, which the replay reads."""
+    return dataclasses.replace(linattn_layer(config), build=functools.partial(build_with_balance_bias, config),
+                               forward=forward_updating_balance_bias)

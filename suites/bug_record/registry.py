@@ -296,6 +296,18 @@ BUGS = (
         "prefill past a chunk limit (a piece at position > 0) restarted from zero state", "state carry",
         "also found", "continuation", _path(prefill=S.prefill_restarting_past_a_chunk_limit), "stateful",
         located=FIRST_WRONG + r"chunk \d of \d \(tokens \d+\.\.\d+, a \d+-token chunk from the \w+[^)]*\), token \d+"),
+    Bug("veomni-1085", "also", (gh("ByteDance-Seed/VeOmni", 1085),),
+        "warm-up collectives issued on the first forward and not in the non-reentrant checkpoint's replay: the "
+        "replay's collectives differ from the forward's", "activation recompute under CP", "No", "recompute",
+        lambda: L.warm_up_layer(CONFIG), "sharded",
+        located=r"the replay issued other collectives than the checkpointed forward \(\d+ in the forward, \d+ in "
+                r"the replay\); at collective \d+ the forward issued c10d\.allgather_ at [\w/.]+:\d+ "
+                r"\(forward_with_warm_up\)"),
+    Bug("automodel-3247", "also", (gh("NVIDIA-NeMo/Automodel", 3247),),
+        "state mutated in the forward (a router's balancing bias) is read again by the checkpoint's replay, so "
+        "the backward computes on other values than the forward", "activation recompute", "No", "recompute",
+        lambda: L.balance_bias_layer(CONFIG), "sharded",
+        located=r"\d+ of \d+ tensors are not bitwise equal to the same run without recompute"),
 )
 
 

@@ -2,7 +2,7 @@
 the ranks of a CP group, tokens on dim 1.
 
     layout      LAYOUTS (contiguous, zigzag: the rule is stated there), cp_shard / cp_unshard,
-                cp_token_index, relayout_plan_to_contiguous
+                cp_token_index, relayout_plan_to_contiguous; padded THD: padded_runs
     context     build_context -> CPContext: this rank's contiguous piece; its ``relayout`` moves
                 a layout's tokens to the piece and back (one all-to-all each way)
     comm        the collectives, as autograd functions
@@ -11,6 +11,7 @@ the ranks of a CP group, tokens on dim 1.
     fla         backend="fla" of both ops: fla's CP kernels
 
     ctx = cp.build_context(cu_seqlens, cp_group, layout)      # cu_seqlens: GLOBAL
+    # padded THD: cp.build_context(cu_seqlens, cp_group, layout, cu_seqlens_padded=...)
     x = ctx.relayout.to_contiguous(x)                         # zigzag: all-to-all; else identity
     y = cp.short_conv(x, weight, activation="silu", cp_context=ctx)
     o = cp.delta_rule(q, k, v, g, beta, op="kda", scale=scale, use_qk_l2norm=True, cp_context=ctx)
@@ -31,7 +32,8 @@ if any rank does. A ``cp_group`` of None means no CP (one rank), as everywhere i
 from .context import BACKENDS, CPContext, Relayout, build_context
 from .conv import short_conv
 from .delta_rule import OPS, delta_rule
-from .layout import LAYOUTS, RelayoutPlan, cp_shard, cp_token_index, cp_unshard, relayout_plan_to_contiguous
+from .layout import (LAYOUTS, RelayoutPlan, cp_shard, cp_token_index, cp_unshard, padded_runs,
+                     relayout_plan_to_contiguous)
 
 __all__ = [
     "BACKENDS",
@@ -45,6 +47,7 @@ __all__ = [
     "cp_token_index",
     "cp_unshard",
     "delta_rule",
+    "padded_runs",
     "relayout_plan_to_contiguous",
     "short_conv",
 ]

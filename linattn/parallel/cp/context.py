@@ -13,8 +13,8 @@ from linattn.checks import require
 
 from ..groups import group_rank, group_size
 from .comm import relayout_tokens
-from .layout import (LAYOUTS, RelayoutPlan, check_partition, global_cu_seqlens, relayout_plan_to_contiguous,
-                     zigzag_index)
+from .layout import (LAYOUTS, RelayoutPlan, check_partition, global_cu_seqlens, padded_runs,
+                     relayout_plan_to_contiguous, zigzag_index)
 
 __all__ = ["BACKENDS", "CPContext", "Relayout", "build_context"]
 
@@ -76,10 +76,11 @@ class CPContext:
     group: object
     cp_rank: int
     cp_size: int
-    cu_seqlens: torch.Tensor  # global, CPU int64
+    cu_seqlens: torch.Tensor  # global, CPU int64; padded: the runs (layout.padded_runs)
     local_cu_seqlens: torch.Tensor  # of the contiguous piece, CPU int64
     first_seq_offset: tuple
     relayout: Relayout
+    cu_seqlens_padded: torch.Tensor | None = None  # global, CPU int64; None: no pads
     _on_device: dict = field(default_factory=dict, repr=False)
 
     @property
@@ -127,7 +128,10 @@ class CPContext:
 
     def check_state_packing(self) -> None:
         """ValueError unless every sequence holds a token: per-sequence states are matched to the
-        piece's sequences by index, which an empty sequence (dropped from the piece) would shift."""
+        piece's sequences by index, which an empty sequence (dropped from the piece) would shift,
+        and the batch is not padded (the ops' runs are not its sequences)."""
+        require(self.cu_seqlens_padded is None, "cu_seqlens_padded",
+                "is not taken with states in or out under CP: give the unpadded batch")
         require(bool((self.cu_seqlens.diff() > 0).all()), "cu_seqlens",
                 f"must hold no empty sequence when states are passed under CP, got {self.cu_seqlens.tolist()}")
 
@@ -147,6 +151,7 @@ def build_context(
     cp_rank: int | None = None,
     cp_size: int | None = None,
     tokens_of_rank: Callable[[int], torch.Tensor] | None = None,
+    cu_seqlens_padded=None,
 ) -> CPContext:
     """The CP context of this rank for one packed batch.
 
@@ -157,12 +162,18 @@ def build_context(
     total_tokens: global token count, checked against ``cu_seqlens[-1]`` when given.
     tokens_of_rank: for a layout outside LAYOUTS (``layout`` then only names it): the global
     token indices rank r holds in it, in its local order.
+    cu_seqlens_padded: padded THD (see ``layout``): GLOBAL boundaries of the padded sequences,
+    each padded length a multiple of 2*cp_size; the batch's tokens (and ``total_tokens``) are
+    the padded ones, laid out over the padded sequences, and the ops run on ``padded_runs``.
     """
-    cu = global_cu_seqlens(cu_seqlens, total_tokens)
     cp_size = group_size(cp_group) if cp_size is None else cp_size
     cp_rank = group_rank(cp_group) if cp_rank is None else cp_rank
+    if cu_seqlens_padded is None:
+        cu = layout_cu = global_cu_seqlens(cu_seqlens, total_tokens)
+    else:
+        layout_cu, cu = padded_runs(cu_seqlens, cu_seqlens_padded, cp_size, total_tokens)
     if tokens_of_rank is None:
-        check_partition(cu, cp_size, layout)
+        check_partition(layout_cu, cp_size, layout)
     else:
         require(layout not in LAYOUTS, "tokens_of_rank", f"is for layouts outside {LAYOUTS}, got layout={layout!r}")
         check_partition(cu, cp_size, "contiguous")
@@ -178,13 +189,14 @@ def build_context(
     local_cu = torch.unique_consecutive(cu.clamp(min=start, max=end) - start)
 
     if layout == "zigzag":
-        tokens_of_rank = functools.partial(zigzag_index, cu, cp_size=cp_size)
+        tokens_of_rank = functools.partial(zigzag_index, layout_cu, cp_size=cp_size)
     plan = None
     if tokens_of_rank is not None and cp_size > 1:
         plan = relayout_plan_to_contiguous(tokens_of_rank, cp_rank, cp_size, local)
     return CPContext(
         group=cp_group, cp_rank=cp_rank, cp_size=cp_size, cu_seqlens=cu, local_cu_seqlens=local_cu,
         first_seq_offset=first_seq_offset, relayout=Relayout(layout, cp_group, local, plan),
+        cu_seqlens_padded=None if cu_seqlens_padded is None else layout_cu,
     )
 
 

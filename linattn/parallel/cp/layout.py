@@ -25,11 +25,12 @@ from typing import Callable, Sequence
 
 import torch
 
-from linattn.checks import positive_int, validate_cu_seqlens
+from linattn.checks import positive_int, require, validate_cu_seqlens
 
 LAYOUTS = ("contiguous", "zigzag")
 
-__all__ = ["LAYOUTS", "RelayoutPlan", "cp_shard", "cp_token_index", "cp_unshard", "relayout_plan_to_contiguous"]
+__all__ = ["LAYOUTS", "RelayoutPlan", "cp_shard", "cp_token_index", "cp_unshard", "padded_runs",
+           "relayout_plan_to_contiguous"]
 
 
 def check_layout(layout: str) -> None:
@@ -37,13 +38,43 @@ def check_layout(layout: str) -> None:
         raise ValueError(f"CP layout must be one of {LAYOUTS}, got {layout!r}")
 
 
-def global_cu_seqlens(cu_seqlens, total_tokens: int | None = None) -> torch.Tensor:
+def global_cu_seqlens(cu_seqlens, total_tokens: int | None = None, name: str = "cu_seqlens") -> torch.Tensor:
     """Global cu_seqlens as a CPU int64 tensor; ValueError if it is not a valid packing."""
     cu = torch.as_tensor(cu_seqlens)
     if cu.dim() == 1 and cu.numel() >= 1 and total_tokens is None:
         total_tokens = int(cu[-1])
-    validate_cu_seqlens(cu, total_tokens)
+    validate_cu_seqlens(cu, total_tokens, name)
     return cu.detach().to("cpu", torch.int64)
+
+
+def padded_runs(cu_seqlens, cu_seqlens_padded, cp_size: int, total_tokens: int | None = None):
+    """(cu_seqlens_padded as CPU int64, the runs' boundaries) of a padded packed batch.
+
+    Sequence i holds its ``cu_seqlens[i+1] - cu_seqlens[i]`` real tokens first, from
+    ``cu_seqlens_padded[i]``, then pads up to ``cu_seqlens_padded[i+1]``. The runs split every
+    padded sequence into its real tokens and its pads (empty runs dropped): boundaries for the
+    ops, so that no pad precedes a real token in its run. total_tokens: the padded batch's token
+    count, checked against ``cu_seqlens_padded[-1]`` when given. ValueError naming the parameter
+    unless both are packings of the same sequences, every padded length at least the sequence's
+    and a multiple of ``2*cp_size``."""
+    positive_int(cp_size, "cp_size")
+    cu = global_cu_seqlens(cu_seqlens)
+    padded = global_cu_seqlens(cu_seqlens_padded, total_tokens, "cu_seqlens_padded")
+    require(padded.numel() == cu.numel(), "cu_seqlens_padded",
+            f"must hold one boundary per boundary of cu_seqlens ({cu.numel()}), got {padded.numel()}")
+    lengths, padded_lengths = cu.diff(), padded.diff()
+    short = torch.nonzero(padded_lengths < lengths).flatten().tolist()
+    require(not short, "cu_seqlens_padded",
+            f"must give every sequence a padded length >= its length in cu_seqlens; (sequence, length, padded "
+            f"length) violating it: {[(i, int(lengths[i]), int(padded_lengths[i])) for i in short[:4]]}")
+    parts = 2 * cp_size
+    odd = torch.nonzero(padded_lengths % parts).flatten().tolist()
+    require(not odd, "cu_seqlens_padded",
+            f"must give every sequence a padded length divisible by 2*cp_size={parts}; (sequence, padded length) "
+            f"violating it: {[(i, int(padded_lengths[i])) for i in odd[:4]]}")
+    real_ends = padded[:-1] + lengths
+    runs = torch.stack([padded[:-1], real_ends], dim=1).flatten()
+    return padded, torch.unique_consecutive(torch.cat([runs, padded[-1:]]))
 
 
 def check_partition(cu: torch.Tensor, cp_size: int, layout: str) -> None:

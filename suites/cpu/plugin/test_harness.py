@@ -317,7 +317,7 @@ def build_lambda_free(placement, groups, dtype, device):
 @pytest.mark.parametrize("make, rule", [
     (lambda: Placement(tp=0), r"Placement.tp must be a positive int, got 0"),
     (lambda: Placement(cp=2, cp_layout="ring"),
-     r"Placement.cp_layout must be one of \('contiguous', 'zigzag', 'fla-zigzag'\)"),
+     r"Placement.cp_layout must be one of \('contiguous', 'zigzag', 'fla-zigzag', 'zigzag-padded'\)"),
     (lambda: Placement(sequence_parallel=True), r"Placement.sequence_parallel needs tp > 1"),
     (lambda: ShardedLayer(build=lambda *a: None, shard=shard_toy, unshard=unshard_toy),
      r"ShardedLayer's callables must be module-level"),
