@@ -7,6 +7,8 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    each key head replicated over 2 ranks
     cp-parity      assert_sharded_parity at CP 2, contiguous
     cp-short       assert_sharded_parity at CP 4 on 8 tokens: pieces of 2 < W-1 tokens
+    cp-padded      assert_sharded_parity at CP 2, padded THD (zigzag over every sequence padded to a
+                   multiple of 2 * cp; the lengths are not)
     oracle         the replicated layer against the HF-written composition over linattn.reference
                    (suites/cpu/library/test_layer_math.py's oracle, recurrent mode)
     continuation   assert_continuation_parity at TP 2: chunked prefill and decode vs one forward
@@ -92,6 +94,7 @@ CHECKS = {
     "tp-replicated": "TP parity beyond the key heads (`assert_sharded_parity`, TP 4, 2 key heads)",
     "cp-parity": "CP parity (`assert_sharded_parity`, CP 2)",
     "cp-short": "CP parity, pieces shorter than W-1 (`assert_sharded_parity`, CP 4, 8 tokens)",
+    "cp-padded": "CP parity, padded THD (`assert_sharded_parity`, CP 2, `zigzag-padded`)",
     "oracle": "oracle (`test_layer_math.py` composition over `linattn.reference`)",
     "continuation": "continuation (`assert_continuation_parity`, TP 2, float64)",
     "continuation-fp32": "continuation (`assert_continuation_parity`, TP 2, float32 at 1e-5)",
@@ -240,6 +243,8 @@ def run(spawn, check, subject=None):
         return _parity(spawn, subject, Placement(cp=2), CU)
     if check == "cp-short":
         return _parity(spawn, subject, Placement(cp=4), CU_SHORT)
+    if check == "cp-padded":
+        return _parity(spawn, subject, Placement(cp=2, cp_layout="zigzag-padded"), CU)
     if check == "oracle":
         return oracle(subject)
     if check == "continuation":

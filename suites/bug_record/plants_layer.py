@@ -177,7 +177,9 @@ def loss_averaged_per_rank(y, dy, tokens, micro_batches):
 
 def build_planted(cls, config, placement, groups, dtype, device):
     tp_group, cp_group = groups
-    return cls(config, tp_group=tp_group, cp_group=cp_group, cp_layout=placement.cp_layout,
+    # the padded layout is linattn's zigzag, given cu_seqlens_padded with each forward
+    layout = "zigzag" if placement.padded else placement.cp_layout
+    return cls(config, tp_group=tp_group, cp_group=cp_group, cp_layout=layout,
                sequence_parallel=placement.sequence_parallel, dtype=dtype, device=device)
 
 
@@ -203,14 +205,16 @@ def shard_gate_unsliced_beyond_key_heads(config, full, placement, tp_rank):
 # ---- classes without a check: the closest check runs, and cannot see them ------------------------
 
 
-class ContextFromUnpaddedBoundaries(GatedDeltaNet):
-    """Megatron-LM #4495's class: under THD + CP the local chunks are indexed with the unpadded
-    cu_seqlens where the tokens lie at cu_seqlens_padded. Without padding the two are equal."""
+class UnpaddedOffsets(GatedDeltaNet):
+    """Megatron-LM #4495's class: under THD + CP the padded chunks are indexed with the unpadded
+    offsets (cu_seqlens where the tokens lie at cu_seqlens_padded): the ops' runs start at
+    cu_seqlens' boundaries inside the padded tokens, so each sequence's run begins in the one
+    before it."""
 
-    def _packed_batch(self, cu_seqlens, device):
-        padded = self.__dict__.get("cu_seqlens_padded")
-        del padded  # the bug: the partition below should use the padded boundaries
-        return super()._packed_batch(cu_seqlens, device)
+    def _cp_context(self, cu_seqlens, total, cu_seqlens_padded=None):
+        right = super()._cp_context(cu_seqlens, total, cu_seqlens_padded)
+        wrong = torch.cat([cu_seqlens.cpu().long(), right.cu_seqlens[-1:]])
+        return dataclasses.replace(cp.build_context(wrong, self.cp_group), relayout=right.relayout)
 
 
 class ConvWeightGradFromFirstRow(GatedDeltaNet):

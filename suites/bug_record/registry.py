@@ -268,9 +268,8 @@ BUGS = (
     Bug("megatron-4495", "33", (gh("NVIDIA/Megatron-LM", 4495), gh("verl-project/verl", 6559),
                                 gh("modelscope/mcore-bridge", 162)),
         "THD + CP: local chunks indexed with the unpadded cu_seqlens_q instead of cu_seqlens_q_padded",
-        "padded THD under CP", "No", "cp-parity", _layer(L.ContextFromUnpaddedBoundaries), "sharded",
-        missing="the padded-THD CP check: a layout with cu_seqlens_padded != cu_seqlens (the harness's layouts "
-                "have no padding)"),
+        "padded THD under CP", "No", "cp-padded", _layer(L.UnpaddedOffsets), "sharded",
+        located=parity_row("record/cp2-zigzag-padded/seed44 output", TOKEN + " on CP rank \\d")),
     Bug("megatron-098d7d97", "also", (commit("NVIDIA/Megatron-LM", "098d7d97"), gh("ISEEKYAN/Megatron-LM", 111, "pull")),
         "a wrong THD partition in contiguous CP: local boundaries cu_seqlens // cp", "CP layout + packed",
         "also found", "cp-parity", _layer(L.LocalBoundariesDividedByCP), "sharded",

@@ -20,6 +20,7 @@ import re
 import pytest
 import torch
 
+from bug_record.plants_layer import UnpaddedOffsets
 from layer_parity import FAMILIES, linattn_layer, make_case, make_config, random_state_dict
 from linattn.layers import GatedDeltaNet, build_layer
 from linattn.parallel import cp
@@ -130,16 +131,6 @@ def test_layer_refuses_bad_padding_and_padding_with_state():
 # ---- plants -------------------------------------------------------------------------------------
 
 PLANT_CONFIG = make_config("qwen3_5", 2)
-
-
-class UnpaddedOffsets(GatedDeltaNet):
-    """The padded chunks indexed with the unpadded offsets: the ops' runs start at cu_seqlens'
-    boundaries inside the padded tokens, so each sequence's run begins in the one before it."""
-
-    def _cp_context(self, cu_seqlens, total, cu_seqlens_padded=None):
-        right = super()._cp_context(cu_seqlens, total, cu_seqlens_padded)
-        wrong = torch.cat([cu_seqlens.cpu().long(), right.cu_seqlens[-1:]])
-        return dataclasses.replace(cp.build_context(wrong, self.cp_group), relayout=right.relayout)
 
 
 class PadsEnterTheRecurrence(GatedDeltaNet):
