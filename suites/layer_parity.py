@@ -75,6 +75,15 @@ def gpu_config(family, ratio=GPU_HEADS[1] // GPU_HEADS[0], **extra):
                                  head_k_dim=K, head_v_dim=V, conv_size=4, **extra)
 
 
+@functools.lru_cache(maxsize=16)
+def replicated_layer(config, seed):
+    """The replicated layer of `config` in float64, its weights `random_state_dict(config, seed)`
+    (cached: the checks never change a reference's weights)."""
+    layer = build_layer(config, dtype=torch.float64)
+    layer.load_state_dict(random_state_dict(config, seed))
+    return layer
+
+
 def random_state_dict(config, seed, *, fla_init=False, round_to=None):
     """float64 weights of the replicated layer, seeded.
 

@@ -9,13 +9,11 @@ that runs the padding rows as one-token sequences (fla's kernel then reads and w
 outside the pool) is refused by the emulation, naming the index.
 """
 
-import functools
 
 import pytest
 import torch
 
-from layer_parity import make_config, random_state_dict
-from linattn.layers import build_layer
+from layer_parity import make_config, replicated_layer
 from pytest_linattn.harness import Placement, SequencePlan, assert_state_pool_parity
 from pytest_linattn.parity import capture_records
 
@@ -29,11 +27,8 @@ CAPTURE_SIZES = (4,)
 RTOL = 1e-10
 
 
-@functools.lru_cache(maxsize=1)
 def reference(seed=31):
-    layer = build_layer(CONFIG, dtype=torch.float64)
-    layer.load_state_dict(random_state_dict(CONFIG, seed))
-    return layer
+    return replicated_layer(CONFIG, seed)
 
 
 def decode_running_padding_rows(module, x, pool, slots, num_valid, placement):

@@ -8,13 +8,12 @@ The correct client passes; a decode that stores its recurrent state in bf16 ever
 fails the dtype contract at the first decode step and the error bound within a few steps.
 """
 
-import functools
 
 import pytest
 import torch
 
-from layer_parity import linattn_state_path, make_config, random_state_dict
-from linattn.layers import LayerState, build_layer
+from layer_parity import linattn_state_path, make_config, replicated_layer
+from linattn.layers import LayerState
 from pytest_linattn.harness import Placement
 from pytest_linattn.harness.long_decode import assert_long_decode_parity, decode_error_bound
 from pytest_linattn.parity import capture_records
@@ -22,11 +21,8 @@ from pytest_linattn.parity import capture_records
 CONFIG = make_config("qwen3_5", 1)
 
 
-@functools.lru_cache(maxsize=1)
 def reference(seed=41):
-    layer = build_layer(CONFIG, dtype=torch.float64)
-    layer.load_state_dict(random_state_dict(CONFIG, seed))
-    return layer
+    return replicated_layer(CONFIG, seed)
 
 
 def decode_storing_bf16_state(module, x, state, placement):

@@ -10,13 +10,12 @@ the causal conv), and a right-padded prefill whose final conv state takes the pa
 (transformers #47086's right-padding case).
 """
 
-import functools
 
 import pytest
 import torch
 
-from layer_parity import make_config, random_state_dict
-from linattn.layers import LayerState, build_layer
+from layer_parity import make_config, replicated_layer
+from linattn.layers import LayerState
 from padded_clients import linattn_padded_path, padded_forward, run_rows, zero_state
 from pytest_linattn.harness import Placement, assert_padded_continuation_parity
 from pytest_linattn.harness.padded import padded_schedule
@@ -31,11 +30,8 @@ CUTS = {"left": (3, 5), "right": (2, 5)}
 RTOL = 1e-10
 
 
-@functools.lru_cache(maxsize=1)
 def reference(seed=31):
-    layer = build_layer(CONFIG, dtype=torch.float64)
-    layer.load_state_dict(random_state_dict(CONFIG, seed))
-    return layer
+    return replicated_layer(CONFIG, seed)
 
 
 def _conv_state_with_pads(module, x, mask, state, which):

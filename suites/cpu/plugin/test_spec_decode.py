@@ -9,13 +9,12 @@ class: a verify that leaves the state advanced or scrambled), and a verify that 
 zeroed state instead of the slot's (sglang #27658: verify replayed from zero-initialised buffers).
 """
 
-import functools
 
 import pytest
 import torch
 
-from layer_parity import make_config, random_state_dict
-from linattn.layers import LayerState, build_layer
+from layer_parity import make_config, replicated_layer
+from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, SpecPlan, assert_spec_decode_parity
 from pytest_linattn.harness.spec_decode import spec_schedule
 from pytest_linattn.parity import capture_records
@@ -29,11 +28,8 @@ PLANS = [SpecPlan((3,), (2, 0, 3)), SpecPlan((1, 4), (3, 1)), SpecPlan((2,), (0,
 RTOL = 1e-10
 
 
-@functools.lru_cache(maxsize=1)
 def reference(seed=21):
-    layer = build_layer(CONFIG, dtype=torch.float64)
-    layer.load_state_dict(random_state_dict(CONFIG, seed))
-    return layer
+    return replicated_layer(CONFIG, seed)
 
 
 def accept_keeping_a_rejected_draft(module, pool, slots, num_accepted_tokens, placement):

@@ -8,13 +8,12 @@ at a free slot, and frees and reuses slots mid-run. The correct client passes; t
 slot without resetting it) each fail with the call, the slot, the sequence and the token named.
 """
 
-import functools
 
 import pytest
 import torch
 
-from layer_parity import make_config, random_state_dict
-from linattn.layers import LayerState, build_layer
+from layer_parity import make_config, replicated_layer
+from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, SequencePlan
 from pytest_linattn.parity import capture_records
 from pytest_linattn.harness import assert_state_pool_parity
@@ -32,11 +31,8 @@ CAPTURE_SIZES = (4,)  # every decode call padded to 4 rows
 RTOL = 1e-10
 
 
-@functools.lru_cache(maxsize=2)
 def reference(seed=11):
-    layer = build_layer(CONFIG, dtype=torch.float64)
-    layer.load_state_dict(random_state_dict(CONFIG, seed))
-    return layer
+    return replicated_layer(CONFIG, seed)
 
 
 def decode_writing_every_row(module, x, pool, slots, num_valid, placement):

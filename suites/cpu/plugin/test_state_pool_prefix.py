@@ -10,13 +10,11 @@ shorter than W-1 that writes its conv state into the prefix block it read from i
 slot (vLLM #56196).
 """
 
-import functools
 
 import pytest
 import torch
 
-from layer_parity import make_config, random_state_dict
-from linattn.layers import build_layer
+from layer_parity import make_config, replicated_layer
 from pytest_linattn.harness import Placement, SequencePlan, assert_state_pool_parity
 from pytest_linattn.harness.state_pool import pool_schedule
 from pytest_linattn.parity import capture_records
@@ -34,11 +32,8 @@ CU = torch.tensor([0, *SEQLENS]).cumsum(0).to(torch.int32)
 RTOL = 1e-10
 
 
-@functools.lru_cache(maxsize=1)
 def reference(seed=13):
-    layer = build_layer(CONFIG, dtype=torch.float64)
-    layer.load_state_dict(random_state_dict(CONFIG, seed))
-    return layer
+    return replicated_layer(CONFIG, seed)
 
 
 def prefill_without_snapshots(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots, prefix_slots):
