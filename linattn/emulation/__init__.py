@@ -16,6 +16,11 @@ What is emulated, per module (each declares ``PATCHES``):
     delta_rules  chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_kda,
                  fused_recurrent_kda, fla's KDA / GDN gate functions, l2norm
     delta_product  chunk_gated_delta_product (gated DeltaProduct: several steps per token)
+    dplr         chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule (the DPLR delta rule),
+                 chunk_rwkv7, fused_recurrent_rwkv7, fused_mul_recurrent_rwkv7
+    rwkv7        RWKV7Attention's other kernels: token_shift, fused_addcmul_rwkv7, fused_k_rwkv7,
+                 gate_output_correction
+    gdn2         chunk_gdn2, fused_recurrent_gdn2 (Gated DeltaNet 2: channel-wise erase and write gates)
     serving      fused_recurrent_kda_fwd: KDA's state-pool entry (ssm_state_indices,
                  num_accepted_tokens, inplace_final_state), as vLLM's decode calls it
     conv         causal_conv1d, ShortConvolution
