@@ -4,8 +4,9 @@ The run below imports Triton the way the plugin's own tests do (first inside an 
 pytester run, which drops it from sys.modules afterwards: pytest_linattn.quiet_exit says why that
 made nanobind print screens of "leaked" objects after the summary), then spawns ranks that import
 it too. (Not the test process again: a Triton imported a second time into one process aborts it,
-nanobind refusing to register its types twice.) A cold `python -m pytest` (the interpreter's exit is what is checked, so not a fork), its
-stdout and stderr in one stream, in the order a terminal or a CI log shows them.
+nanobind refusing to register its types twice.) A cold `python -m pytest` (the interpreter's
+exit is what is checked, so not a fork), its stdout and stderr in one stream, in the order a
+terminal or a CI log shows them.
 """
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 pytest_plugins = ["pytester"]
 
