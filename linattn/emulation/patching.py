@@ -20,7 +20,7 @@ import types
 import torch
 
 FLA_VERSION = "0.6.0"
-EMULATION_MODULES = ("delta_rules", "delta_product", "dplr", "rwkv7", "gdn2", "serving", "conv", "norm", "cp")
+EMULATION_MODULES = ("delta_rules", "delta_product", "dplr", "rwkv7", "gdn2", "precond", "serving", "conv", "norm", "cp")
 COMPUTE_DTYPES = (torch.float64, torch.float32)
 
 _active: list[torch.dtype] = []  # one entry per nested activation

@@ -9,6 +9,7 @@ from .delta_product import gated_delta_product
 from .delta_rule import gated_delta_rule, kda
 from .dplr import dplr_delta_rule, rwkv7, rwkv7_kk_a
 from .gdn2 import gdn2
+from .precond import precond_gated_delta_rule, precond_kda
 from .short_conv import short_conv
 
-__all__ = ["dplr_delta_rule", "gated_delta_product", "gated_delta_rule", "gdn2", "kda", "rwkv7", "rwkv7_kk_a", "short_conv"]
+__all__ = ["dplr_delta_rule", "gated_delta_product", "gated_delta_rule", "gdn2", "kda", "precond_gated_delta_rule", "precond_kda", "rwkv7", "rwkv7_kk_a", "short_conv"]
