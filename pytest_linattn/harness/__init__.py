@@ -30,13 +30,14 @@ pytest:
                          one document perturbed, the others bitwise unchanged, no gradient across
                          (`assert_document_isolation`, `PackedDocuments`)
     long_decode          many decode steps in the ranks' dtype: the state's dtype contract and
-                         its error growth against the float64 serial run (`assert_long_decode_parity`)
+                         its error growth against the float64 serial run (`assert_long_decode_parity`;
+                         the per-step errors it judges: `long_decode_errors`)
 """
 
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
 from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
 from .isolation import PackedDocuments, assert_document_isolation
-from .long_decode import assert_long_decode_parity
+from .long_decode import assert_long_decode_parity, long_decode_errors
 from .padded import PaddedStatePath, assert_padded_continuation_parity
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
@@ -47,6 +48,6 @@ from .training_step import assert_training_parity
 __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StateInvisibleWarning", "StatePath",
            "StatePoolPath", "assert_state_pool_parity", "SpecDecodePath", "SpecPlan", "assert_spec_decode_parity",
            "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
-           "PackedDocuments", "assert_document_isolation",
+           "long_decode_errors", "PackedDocuments", "assert_document_isolation",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

@@ -30,7 +30,7 @@ from .placement import Placement
 from .sharded_parity_rank import load_shard, run_device
 from .spec_decode import serial_run
 
-__all__ = ["assert_long_decode_parity", "decode_error_bound"]
+__all__ = ["assert_long_decode_parity", "decode_error_bound", "long_decode_errors"]
 
 
 def decode_error_bound(step: int, rtol: float, growth: float, warmup: int) -> float:
@@ -76,20 +76,40 @@ def run_long_decode_on_rank(case: RankLongDecode) -> dict:
     return dict(y=torch.cat(ys, dim=1), states=states, names=field_names(state), type=type(state))
 
 
+def long_decode_errors(spawn, path: StatePath, reference: torch.nn.Module, placement: Placement, *,
+                       num_sequences: int, prefill: int, steps: int, hidden_size: int, seed: int,
+                       dtype: torch.dtype = torch.float32, reference_forward=None) -> dict:
+    """The errors `assert_long_decode_parity` judges, for one placement: `num_sequences` sequences,
+    a `prefill`-token call, then `steps` decode steps in `dtype` on the ranks, against the float64
+    serial run. Lists are indexed by call (0: the prefill call, t: decode step t), each the
+    relative error over every sequence:
+
+        outputs       {"output": [...]} (TP > 1: one entry per TP rank, "output tp_rank{r}")
+        states        {field: [...]}, the state returned by each call (unsharded over TP)
+        state_dtypes  per rank, per call, {field: dtype} of the returned state
+        fields        the state's field names
+
+    reference_forward: how the serial run calls `reference` on one token per sequence, as in
+    `assert_long_decode_parity` (default: its forward with `output_final_state=True`).
+    """
+    _check_inputs(path, num_sequences=num_sequences, prefill=prefill, steps=steps, hidden_size=hidden_size)
+    _check_placements(path, [placement])
+    run = _serial_reference(reference, reference_forward, num_sequences=num_sequences, prefill=prefill, steps=steps,
+                            hidden_size=hidden_size, seed=seed)
+    return _placement_errors(spawn, path, reference, placement, run, dtype)
+
+
 def assert_long_decode_parity(spawn, path: StatePath, reference: torch.nn.Module, placements, *, num_sequences: int,
                               prefill: int, steps: int = 256, hidden_size: int, seed: int, rtol: float = 1e-5,
                               growth: float = 0.5, warmup: int = 16, dtype: torch.dtype = torch.float32,
                               state_dtype: torch.dtype = torch.float32, reference_forward=None, name: str = "") -> None:
     """`num_sequences` sequences: a `prefill`-token call, then `steps` decode steps in `dtype` on
     the ranks, against the float64 serial run (the module docstring): returned state dtypes at
-    least `state_dtype`, each step's error within `decode_error_bound`. AssertionError naming the
-    contract, the call or step, the field and the error."""
+    least `state_dtype`, each step's error (`long_decode_errors`) within `decode_error_bound`.
+    AssertionError naming the contract, the call or step, the field and the error."""
     __tracebackhide__ = True
-    if not isinstance(path, StatePath) or path.no_decode:
-        raise ValueError(f"path must be a StatePath with a decode path, got {path!r}")
-    for value, what in ((num_sequences, "num_sequences"), (prefill, "prefill"), (steps, "steps"),
-                        (hidden_size, "hidden_size"), (warmup, "warmup")):
-        positive_int(value, what)
+    _check_inputs(path, num_sequences=num_sequences, prefill=prefill, steps=steps, hidden_size=hidden_size,
+                  warmup=warmup)
     rtol = check_rtol(rtol)
     if isinstance(growth, bool) or not isinstance(growth, (int, float)) or not 0 <= growth <= 1:
         raise ValueError(f"growth must be a number in [0, 1] (the bound's exponent: 0.5 a random walk, 1 linear), "
@@ -97,48 +117,30 @@ def assert_long_decode_parity(spawn, path: StatePath, reference: torch.nn.Module
     if not (isinstance(state_dtype, torch.dtype) and state_dtype.is_floating_point):
         raise ValueError(f"state_dtype must be a floating-point torch.dtype, got {state_dtype!r}")
     placements = list(placements)
-    if not placements or not all(isinstance(p, Placement) and p.cp == 1 and not p.sequence_parallel
-                                 for p in placements):
-        raise ValueError(f"placements must be a non-empty sequence of TP-only Placements, got {placements!r}")
-    for p in placements:
-        if p.tp > 1 and path.unshard_state is None:
-            raise ValueError(f"placement {p.name}: tp > 1 needs StatePath.shard_state and unshard_state")
+    _check_placements(path, placements)
 
-    gen = torch.Generator().manual_seed(seed)
-    L = prefill + steps
-    x = torch.randn(num_sequences, L, hidden_size, generator=gen, dtype=torch.float64)
-    bounds = [n * L for n in range(num_sequences + 1)]
-    forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
-    y_ref, s_ref = serial_run(forward, reference, x.reshape(1, -1, hidden_size), bounds)
-    y_ref = y_ref.view(num_sequences, L, hidden_size)
+    run = _serial_reference(reference, reference_forward, num_sequences=num_sequences, prefill=prefill, steps=steps,
+                            hidden_size=hidden_size, seed=seed)
     min_eps = torch.finfo(state_dtype).eps
     label = f"{name}/" if name else ""
     reports = []
     for p in placements:
-        case = RankLongDecode(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, prefill, steps,
-                              dtype)
-        results = spawn(run_long_decode_on_rank, p.size, case)
+        errors = _placement_errors(spawn, path, reference, p, run, dtype)
         failures = []
-        names = results[0]["names"]
-        for r, result in enumerate(results):
-            low = [(i, f, t.dtype) for i, state in enumerate(result["states"]) for f, t in zip(names, state)
-                   if t.is_floating_point() and torch.finfo(t.dtype).eps > min_eps]
+        for r, per_call in enumerate(errors["state_dtypes"]):
+            low = [(i, f, d) for i, dtypes in enumerate(per_call) for f, d in dtypes.items()
+                   if d.is_floating_point and torch.finfo(d).eps > min_eps]
             if low:
                 i, f, d = low[0]
                 failures.append(f"state dtype: {_call(i)} returned field {f} in {d}, below the contract {state_dtype} "
                                 f"({len(low)} such field(s) over the calls; rank {r})")
         worst = {}
-        for t_rank in range(p.tp):
-            y = results[t_rank]["y"]
+        for what, errs in errors["outputs"].items():  # the prefill call's outputs are the short checks'
             for step in range(1, steps + 1):
-                col = prefill + step - 1
-                err = _rel(y[:, col], y_ref[:, col])
-                _note(worst, f"output{f' tp_rank{t_rank}' if p.tp > 1 else ''}", step, err, rtol, growth, warmup)
-        for i in range(steps + 1):
-            per_rank = [results[t]["states"][i] for t in range(p.tp)]
-            got = per_rank[0] if p.tp == 1 else path.unshard_state([results[0]["type"](*s) for s in per_rank], p)
-            for f, a, e in zip(names, got, s_ref):
-                _note(worst, f"state field {f}", i, _rel(a.double(), e[:, prefill + i]), rtol, growth, warmup)
+                _note(worst, what, step, errs[step], rtol, growth, warmup)
+        for f, errs in errors["states"].items():
+            for i in range(steps + 1):
+                _note(worst, f"state field {f}", i, errs[i], rtol, growth, warmup)
         for what, (step, err, bound) in worst.items():
             failures.append(f"error growth: {what} first exceeds the bound at {_call(step)}: error {err:.1e} > "
                             f"{bound:.1e} (rtol {rtol:.0e} x max(1, step/{warmup})^{growth})")
@@ -148,6 +150,62 @@ def assert_long_decode_parity(spawn, path: StatePath, reference: torch.nn.Module
                            + "\n".join(f"  {f}" for f in failures))
     if reports:
         raise AssertionError("\n\n".join(reports))
+
+
+def _check_inputs(path, **counts):
+    if not isinstance(path, StatePath) or path.no_decode:
+        raise ValueError(f"path must be a StatePath with a decode path, got {path!r}")
+    for what, value in counts.items():
+        positive_int(value, what)
+
+
+def _check_placements(path, placements):
+    if not placements or not all(isinstance(p, Placement) and p.cp == 1 and not p.sequence_parallel
+                                 for p in placements):
+        raise ValueError(f"placements must be a non-empty sequence of TP-only Placements, got {placements!r}")
+    for p in placements:
+        if p.tp > 1 and path.unshard_state is None:
+            raise ValueError(f"placement {p.name}: tp > 1 needs StatePath.shard_state and unshard_state")
+
+
+@dataclasses.dataclass(frozen=True)
+class _SerialRun:
+    x: torch.Tensor  # [N, prefill + steps, hidden], float64
+    y: torch.Tensor  # the same shape: the reference's outputs
+    states: tuple  # per field [N, prefill + steps + 1, ...]: the state after each token
+    prefill: int
+    steps: int
+
+
+def _serial_reference(reference, reference_forward, *, num_sequences, prefill, steps, hidden_size, seed):
+    gen = torch.Generator().manual_seed(seed)
+    L = prefill + steps
+    x = torch.randn(num_sequences, L, hidden_size, generator=gen, dtype=torch.float64)
+    bounds = [n * L for n in range(num_sequences + 1)]
+    forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
+    y_ref, s_ref = serial_run(forward, reference, x.reshape(1, -1, hidden_size), bounds)
+    return _SerialRun(x, y_ref.view(num_sequences, L, hidden_size), tuple(s_ref), prefill, steps)
+
+
+def _placement_errors(spawn, path, reference, p, run: _SerialRun, dtype) -> dict:
+    prefill, steps = run.prefill, run.steps
+    case = RankLongDecode(path, p, {k: t.detach() for k, t in reference.named_parameters()}, run.x, prefill, steps,
+                          dtype)
+    results = spawn(run_long_decode_on_rank, p.size, case)
+    names = list(results[0]["names"])
+    outputs = {}
+    for t_rank in range(p.tp):
+        y = results[t_rank]["y"]
+        calls = [slice(0, prefill)] + [slice(prefill + step - 1, prefill + step) for step in range(1, steps + 1)]
+        outputs[f"output{f' tp_rank{t_rank}' if p.tp > 1 else ''}"] = [_rel(y[:, c], run.y[:, c]) for c in calls]
+    states = {f: [] for f in names}
+    for i in range(steps + 1):
+        per_rank = [results[t]["states"][i] for t in range(p.tp)]
+        got = per_rank[0] if p.tp == 1 else path.unshard_state([results[0]["type"](*s) for s in per_rank], p)
+        for f, a, e in zip(names, got, run.states):
+            states[f].append(_rel(a.double(), e[:, prefill + i]))
+    state_dtypes = [[{f: t.dtype for f, t in zip(names, state)} for state in result["states"]] for result in results]
+    return dict(outputs=outputs, states=states, state_dtypes=state_dtypes, fields=names)
 
 
 def _call(i):

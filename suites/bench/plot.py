@@ -1,6 +1,6 @@
 """PNG plots (matplotlib, Agg) from the benchmark scripts' JSON: ms vs tokens per backend
 (bench_kernels), layer ms vs tokens per TP/CP (bench_layers), the breakdown bars (bench_breakdown), the
-time against fla's layers (bench_vs_fla).
+time against fla's layers (bench_vs_fla), the error vs decode step (bench_long_decode).
 
 The scripts draw them with --plot DIR; to re-plot saved results (needs matplotlib, not torch):
 
@@ -98,7 +98,37 @@ def plot(payload: dict, out_dir) -> list[Path]:
             ax.set_title(f"against fla's own layers ({where})", fontsize=9)
             ax.invert_yaxis()
             save(fig, "vs_fla_" + "_".join(sorted({r["shape"] for r in ok})) + ".png")
+    elif bench == "long_decode":
+        fig, ax = plt.subplots(figsize=(10, 5.5))
+        _long_decode_lines(ax, payload, plt.get_cmap("tab10").colors)
+        ax.set_title(f"long decode, {payload['args']['dtype']} rank vs the float64 serial run ({where})", fontsize=9)
+        save(fig, "long_decode.png")
     return written
+
+
+def _long_decode_lines(ax, payload: dict, colors) -> None:
+    """Error vs decode step, log-log: a colour per (family, field), planted runs dashed in their
+    layer's colour, the bound black and dashed."""
+    series = payload["series"]
+    keys = list(dict.fromkeys((s["family"], s["field"]) for s in series))
+    for s in series:
+        points = [(t, e) for t, e in enumerate(s["errors"], 1) if e is not None and 0 < e < float("inf")]
+        layer = s["variant"] == "layer"
+        color = colors[keys.index((s["family"], s["field"])) % len(colors)]
+        ax.plot([p[0] for p in points], [p[1] for p in points], color=color, linestyle="-" if layer else "--",
+                linewidth=1.0,
+                label=f"{s['family']} {s['field']}" + ("" if layer else f" ({s['variant']})"))
+    bound, steps = payload["bound"], max(len(s["errors"]) for s in series)
+    ts = range(1, steps + 1)
+    ax.plot(ts, [bound["rtol"] * max(1.0, t / bound["warmup"]) ** bound["growth"] for t in ts], color="black",
+            linestyle="--", linewidth=1.6,
+            label=f"bound {bound['rtol']:g} x max(1, t/{bound['warmup']})^{bound['growth']}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode step t")
+    ax.set_ylabel("relative error vs float64")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def main(argv=None) -> None:

@@ -122,3 +122,27 @@ def test_suite_bench_times_each_emulated_op_against_its_reference(bench, tmp_pat
         assert row["emulated_ms"] > 0 and row["reference_ms"] > 0, row
         assert row["ratio"] == pytest.approx(row["emulated_ms"] / row["reference_ms"])
     assert [s["target"] for s in payload["summary"]] == ["<= 2x"]
+
+
+def test_long_decode_writes_the_errors_the_figure_and_the_table(bench, tmp_path, capsys):
+    module = importlib.import_module("bench_long_decode")
+    out = tmp_path / "long-decode"
+    module.main(["--device", "cpu", "--families", "qwen3_5", "--steps", "8", "--prefill", "3", "--sequences", "1",
+                 "--plant", "bf16-state", "--out", str(out)])
+    payload = json.loads((out / "long_decode.json").read_text())
+    assert payload["complete"] is True and payload["failures"] == []
+    assert payload["bound"] == {"rtol": 1e-5, "growth": 0.5, "warmup": 16}  # float32 on a CPU
+    series = {(s["variant"], s["field"]): s for s in payload["series"]}
+    assert set(series) == {(v, f) for v in ("layer", "bf16-state plant")
+                           for f in ("output", "state conv", "state recurrent")}
+    assert all(len(s["errors"]) == 8 for s in series.values())
+    # the layer keeps its state in float32; the plant's bf16 state is three orders worse
+    assert series[("layer", "state recurrent")]["state_dtype"] == "float32"
+    assert series[("bf16-state plant", "state recurrent")]["state_dtype"] == "bfloat16"
+    assert max(series[("layer", "state recurrent")]["errors"]) < 1e-5
+    assert min(series[("bf16-state plant", "state recurrent")]["errors"]) > 1e-4
+    assert (out / "long_decode.png").stat().st_size > 0
+    table = capsys.readouterr().out.rsplit("\n\n", 1)[-1].splitlines()  # printed last, after a blank line
+    assert table[1].split() == ["family", "variant", "field", "state", "dtype", "t=1", "growth"]  # t=16 on: past --steps
+    rows = [line.split()[:2] for line in table[2:]]
+    assert rows == [["qwen3_5", "layer"]] * 3 + [["qwen3_5", "bf16-state"]] * 3
