@@ -6,6 +6,7 @@ reported by call site (docs/mutation.md).
 
     mutations   the table: each mutation, what it does, the bug class it stands for
     rank        on every rank: the TorchDispatchMode over c10d / _c10d_functional that records and mutates
+    sites       where a collective was issued (its call site and caller): how mutants and reports name it
     plan        in the test process: the runs, the mutants from a clean run, outcomes
     report      per-test scores, the session table, collective-mutants.json
     recorder    the pytest plugin object that ties them to a pytest run
