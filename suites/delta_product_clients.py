@@ -40,10 +40,10 @@ SPLIT = {"q_proj.weight": ("head", 0), "a_proj.weight": ("head", 0), "g_proj.wei
          "b_proj.weight": ("steps", "num_v_heads"), "o_norm.weight": None}
 
 
-def fla_delta_product_layer(seed: int):
+def fla_delta_product_layer(seed: int, sizes=SIZES):
     """fla's GatedDeltaProduct in float64, its weights fresh from `seed` (decays exp(-A softplus)
     ~ 0.3-1 per token, conv and projection weights near their usual scale)."""
-    layer = GatedDeltaProduct(**SIZES).double()
+    layer = GatedDeltaProduct(**sizes).double()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -64,12 +64,12 @@ def fla_forward(layer, x, cu_seqlens):
     return layer(x, cu_seqlens=cu_seqlens.long())[0]
 
 
-def replicated_delta_product(fla_layer):
+def replicated_delta_product(fla_layer, sizes=SIZES):
     """The client's layer on one rank with fla_layer's weights: the harness's reference (fla's own
     layer is that within its float32 gate cast, checked beside it)."""
     from pytest_linattn import Placement
 
-    layer = HeadShardedDeltaProduct(Placement(), (None, None)).double()
+    layer = HeadShardedDeltaProduct(Placement(), (None, None), sizes=sizes).double()
     layer.load_state_dict(fla_layer.state_dict())
     return layer
 
@@ -81,9 +81,9 @@ def replicated_forward(layer, x, cu_seqlens):
 class HeadShardedDeltaProduct(GatedDeltaProduct):
     """fla's GatedDeltaProduct holding num_heads / tp key heads and num_v_heads / tp value heads."""
 
-    def __init__(self, placement, groups, op_gets_cp_context=True):
+    def __init__(self, placement, groups, op_gets_cp_context=True, sizes=SIZES):
         tp = placement.tp
-        super().__init__(**dict(SIZES, num_heads=SIZES["num_heads"] // tp, num_v_heads=SIZES["num_v_heads"] // tp))
+        super().__init__(**dict(sizes, num_heads=sizes["num_heads"] // tp, num_v_heads=sizes["num_v_heads"] // tp))
         self.placement, (self.tp_group, self.cp_group) = placement, groups
         self.op_gets_cp_context = op_gets_cp_context
 
@@ -112,8 +112,8 @@ class HeadShardedDeltaProduct(GatedDeltaProduct):
         return reduce_from_tensor_parallel_region(self.o_proj(rearrange(o, "b t h d -> b t (h d)")), self.tp_group)
 
 
-def build_delta_product(placement, groups, dtype, device, op_gets_cp_context=True):
-    return HeadShardedDeltaProduct(placement, groups, op_gets_cp_context).to(device, dtype)
+def build_delta_product(placement, groups, dtype, device, op_gets_cp_context=True, sizes=SIZES):
+    return HeadShardedDeltaProduct(placement, groups, op_gets_cp_context, sizes).to(device, dtype)
 
 
 def shard_steps(t, heads, tp, tp_rank):
@@ -126,7 +126,7 @@ def unshard_steps(pieces, heads):
     return torch.cat([p.unflatten(0, (NUM_STEPS, heads // len(pieces), -1)) for p in pieces], dim=1).flatten(0, 2)
 
 
-def shard(full, placement, tp_rank, shard_keys=shard_steps):
+def shard(full, placement, tp_rank, shard_keys=shard_steps, sizes=SIZES):
     out = {}
     for name, t in full.items():
         rule = SPLIT[name]
@@ -136,11 +136,11 @@ def shard(full, placement, tp_rank, shard_keys=shard_steps):
             out[name] = t.chunk(placement.tp, rule[1])[tp_rank]
         else:
             split = shard_keys if name.startswith("k_") else shard_steps
-            out[name] = split(t, SIZES[rule[1]], placement.tp, tp_rank)
+            out[name] = split(t, sizes[rule[1]], placement.tp, tp_rank)
     return out
 
 
-def unshard(grads, placement):
+def unshard(grads, placement, sizes=SIZES):
     out = {}
     for name, rule in SPLIT.items():
         if rule is None:
@@ -148,7 +148,7 @@ def unshard(grads, placement):
         elif rule[0] == "head":
             out[name] = torch.cat([g[name] for g in grads], rule[1])
         else:
-            out[name] = unshard_steps([g[name] for g in grads], SIZES[rule[1]])
+            out[name] = unshard_steps([g[name] for g in grads], sizes[rule[1]])
     return out
 
 
@@ -158,10 +158,11 @@ def reduce_norm_grad(module, placement):
         dist.all_reduce(module.o_norm.weight.grad, group=module.tp_group)
 
 
-def fla_delta_product_client(shard_keys=shard_steps, op_gets_cp_context=True):
+def fla_delta_product_client(shard_keys=shard_steps, op_gets_cp_context=True, sizes=SIZES):
     """The client; `shard_keys(t, heads, tp, tp_rank)` gives a TP rank its k_proj / k_conv1d rows;
     `op_gets_cp_context=False` gives the op this rank's cu_seqlens instead (a layer whose recurrence
-    never hears of CP)."""
-    return ShardedLayer(functools.partial(build_delta_product, op_gets_cp_context=op_gets_cp_context),
-                        functools.partial(shard, shard_keys=shard_keys), unshard,
+    never hears of CP); `sizes` fla's layer arguments (default SIZES)."""
+    return ShardedLayer(functools.partial(build_delta_product, op_gets_cp_context=op_gets_cp_context, sizes=sizes),
+                        functools.partial(shard, shard_keys=shard_keys, sizes=sizes),
+                        functools.partial(unshard, sizes=sizes),
                         replicated={"o_norm.weight"}, after_backward=reduce_norm_grad)

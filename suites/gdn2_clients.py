@@ -42,10 +42,10 @@ SPLIT = {"q_proj.weight": 0, "k_proj.weight": 0, "v_proj.weight": 0, "q_conv1d.w
 REPLICATED = {name for name, dim in SPLIT.items() if dim is None}
 
 
-def fla_gdn2_layer(seed: int):
+def fla_gdn2_layer(seed: int, sizes=SIZES):
     """fla's GatedDeltaNet2 in float64, its weights fresh from `seed` (decays exp(-A softplus) ~
     0.3-1 per token, conv and projection weights near their usual scale)."""
-    layer = GatedDeltaNet2(**SIZES).double()
+    layer = GatedDeltaNet2(**sizes).double()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -66,11 +66,11 @@ def fla_forward(layer, x, cu_seqlens):
     return layer(x, cu_seqlens=cu_seqlens.long())[0]
 
 
-def replicated_gdn2(fla_layer):
+def replicated_gdn2(fla_layer, sizes=SIZES):
     """The client's layer on one rank with fla_layer's weights: the harness's reference."""
     from pytest_linattn import Placement
 
-    layer = HeadShardedGDN2(Placement(), (None, None)).double()
+    layer = HeadShardedGDN2(Placement(), (None, None), sizes=sizes).double()
     layer.load_state_dict(fla_layer.state_dict())
     return layer
 
@@ -82,9 +82,9 @@ def replicated_forward(layer, x, cu_seqlens):
 class HeadShardedGDN2(GatedDeltaNet2):
     """fla's GatedDeltaNet2 holding num_heads / tp key heads and num_v_heads / tp value heads."""
 
-    def __init__(self, placement, groups, op_gets_cp_context=True):
+    def __init__(self, placement, groups, op_gets_cp_context=True, sizes=SIZES):
         tp = placement.tp
-        super().__init__(**dict(SIZES, num_heads=SIZES["num_heads"] // tp, num_v_heads=SIZES["num_v_heads"] // tp))
+        super().__init__(**dict(sizes, num_heads=sizes["num_heads"] // tp, num_v_heads=sizes["num_v_heads"] // tp))
         self.placement, (self.tp_group, self.cp_group) = placement, groups
         self.op_gets_cp_context = op_gets_cp_context
 
@@ -112,8 +112,8 @@ class HeadShardedGDN2(GatedDeltaNet2):
         return reduce_from_tensor_parallel_region(self.o_proj(rearrange(o, "b t h d -> b t (h d)")), self.tp_group)
 
 
-def build_gdn2(placement, groups, dtype, device, op_gets_cp_context=True):
-    return HeadShardedGDN2(placement, groups, op_gets_cp_context).to(device, dtype)
+def build_gdn2(placement, groups, dtype, device, op_gets_cp_context=True, sizes=SIZES):
+    return HeadShardedGDN2(placement, groups, op_gets_cp_context, sizes).to(device, dtype)
 
 
 def shard_by_head(t, tp, tp_rank, dim=0):
@@ -147,10 +147,10 @@ def reduce_replicated_grads(module, placement):
                 dist.all_reduce(p.grad, group=module.tp_group)
 
 
-def fla_gdn2_client(shard_write_gate=shard_by_head, op_gets_cp_context=True):
+def fla_gdn2_client(shard_write_gate=shard_by_head, op_gets_cp_context=True, sizes=SIZES):
     """The client; `shard_write_gate(t, tp, tp_rank)` gives a TP rank its w_proj rows;
     `op_gets_cp_context=False` gives the op this rank's cu_seqlens instead (a layer whose recurrence
-    never hears of CP)."""
-    return ShardedLayer(functools.partial(build_gdn2, op_gets_cp_context=op_gets_cp_context),
+    never hears of CP); `sizes` fla's layer arguments (default SIZES)."""
+    return ShardedLayer(functools.partial(build_gdn2, op_gets_cp_context=op_gets_cp_context, sizes=sizes),
                         functools.partial(shard, shard_write_gate=shard_write_gate), unshard,
                         replicated=REPLICATED, after_backward=reduce_replicated_grads)

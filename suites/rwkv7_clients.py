@@ -44,12 +44,12 @@ HEAD_ROWS = {"r_proj.weight", "k_proj.weight", "v_proj.weight", "k_k", "k_a", "r
              *(f"{m}_lora.lora.2.{p}" for m in "wva" for p in ("weight", "bias")), "g_lora.lora.2.weight"}
 
 
-def fla_rwkv7_layer(seed: int):
+def fla_rwkv7_layer(seed: int, sizes=SIZES):
     """fla's RWKV7Attention in float64, its weights fresh from `seed` (decays exp(w), w in (-0.61, 0);
     token mixes in (0, 1); projections near their usual scale)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # fla's note on its RWKV implementation
-        layer = RWKV7Attention(**SIZES).double()
+        layer = RWKV7Attention(**sizes).double()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in layer.named_parameters():
@@ -70,11 +70,11 @@ def fla_forward(layer, x, cu_seqlens):
     return layer(x, v_first=x, cu_seqlens=cu_seqlens.long())[0]
 
 
-def replicated_rwkv7(fla_layer):
+def replicated_rwkv7(fla_layer, sizes=SIZES):
     """The client's layer on one rank with fla_layer's weights: the harness's reference."""
     from pytest_linattn import Placement
 
-    layer = HeadShardedRWKV7(Placement(), (None, None)).double()
+    layer = HeadShardedRWKV7(Placement(), (None, None), sizes=sizes).double()
     layer.load_state_dict(fla_layer.state_dict())
     return layer
 
@@ -87,10 +87,10 @@ class HeadShardedRWKV7(RWKV7Attention):
     """fla's RWKV7Attention holding num_heads / tp heads (fla ties its key width to hidden_size,
     so the head-sized parts are rebuilt at their TP size)."""
 
-    def __init__(self, placement, groups, op_gets_cp_context=True):
+    def __init__(self, placement, groups, op_gets_cp_context=True, sizes=SIZES):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            super().__init__(**SIZES)
+            super().__init__(**sizes)
         self.placement, (self.tp_group, self.cp_group) = placement, groups
         self.op_gets_cp_context = op_gets_cp_context
         heads = self.num_heads // placement.tp
@@ -104,7 +104,7 @@ class HeadShardedRWKV7(RWKV7Attention):
         self.v_lora = LoRA(hidden, value_dim, low_rank_dim=self.v_low_rank_dim, activation=None)
         self.a_lora = LoRA(hidden, key_dim, low_rank_dim=self.a_low_rank_dim, activation=None)
         self.g_lora = LoRA(hidden, value_dim, low_rank_dim=self.gate_low_rank_dim, activation="sigmoid", bias=False)
-        self.g_norm = nn.GroupNorm(heads, value_dim, eps=self.head_dim * SIZES["norm_eps"], affine=True)
+        self.g_norm = nn.GroupNorm(heads, value_dim, eps=self.head_dim * sizes["norm_eps"], affine=True)
 
     def forward(self, x, cu_seqlens):
         # fla's layer's forward in training (layer_idx 1, fuse_norm off), with CP on the shift and the op
@@ -139,8 +139,8 @@ class HeadShardedRWKV7(RWKV7Attention):
         return reduce_from_tensor_parallel_region(self.o_proj(o), self.tp_group)
 
 
-def build_rwkv7(placement, groups, dtype, device, op_gets_cp_context=True):
-    return HeadShardedRWKV7(placement, groups, op_gets_cp_context).to(device, dtype)
+def build_rwkv7(placement, groups, dtype, device, op_gets_cp_context=True, sizes=SIZES):
+    return HeadShardedRWKV7(placement, groups, op_gets_cp_context, sizes).to(device, dtype)
 
 
 def head_block(t, tp, tp_rank):
@@ -183,10 +183,10 @@ def reduce_replicated_grads(module, placement):
                 dist.all_reduce(p.grad, group=module.tp_group)
 
 
-def fla_rwkv7_client(shard_lora=head_block, op_gets_cp_context=True):
+def fla_rwkv7_client(shard_lora=head_block, op_gets_cp_context=True, sizes=SIZES):
     """The client; `shard_lora(t, tp, tp_rank)` gives a TP rank its a-adapter up-projection rows;
     `op_gets_cp_context=False` gives the op this rank's cu_seqlens instead (a layer whose recurrence
-    never hears of CP)."""
-    return ShardedLayer(functools.partial(build_rwkv7, op_gets_cp_context=op_gets_cp_context),
+    never hears of CP); `sizes` fla's layer arguments (default SIZES)."""
+    return ShardedLayer(functools.partial(build_rwkv7, op_gets_cp_context=op_gets_cp_context, sizes=sizes),
                         functools.partial(shard, shard_lora=shard_lora), unshard,
                         replicated=REPLICATED, after_backward=reduce_replicated_grads)

@@ -1,0 +1,88 @@
+"""Parity cases of the fla-op clients of three families (GatedDeltaProduct, GatedDeltaNet2,
+RWKV7Attention: suites/delta_product_clients.py, gdn2_clients.py, rwkv7_clients.py) at head shapes
+fla's Triton kernels take (head dim 64; the clients' own SIZES have head dims 4 to 8, below the
+16 that Triton's dot needs) and four key heads, so TP 4 holds one key head per rank.
+
+`family_cases(family, ...)`: the client at every PLACEMENTS entry against the same client
+replicated, float64, on the CPU. Weights (fla's layer seeded as the client tests seed it) and the
+input / output cotangent are float64, rounded to `round_to` first when given, so a bf16 run and
+its float64 reference read the same values. The reference's forward runs under
+`linattn.emulation.fla_on_cpu` (fla's ops on linattn's float64 references; their backward is
+torch autograd on those references), in the test process only: the ranks run whatever fla ops
+the process has (fla's Triton kernels on a GPU).
+
+Imported lazily (it imports fla): importing fla costs seconds.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from pytest_linattn import ParityCase, Placement
+from pytest_linattn.seqlens import packed_seqlens
+
+HIDDEN = 256
+# fla's layer arguments per family: 4 key heads x 64 (GVA 2 where the layer has value heads of its own)
+SIZES = {
+    "delta_product": dict(hidden_size=HIDDEN, head_dim=64, num_heads=4, num_v_heads=8, expand_v=1.0, conv_size=4,
+                          num_householder=2, norm_eps=1e-5),
+    "gdn2": dict(hidden_size=HIDDEN, head_dim=64, num_heads=4, num_v_heads=8, expand_v=1.0, conv_size=4,
+                 allow_neg_eigval=True, norm_eps=1e-5),
+    "rwkv7": dict(hidden_size=HIDDEN, head_dim=64, decay_low_rank_dim=32, gate_low_rank_dim=64, a_low_rank_dim=32,
+                  v_low_rank_dim=16, norm_eps=1e-5, layer_idx=1, num_hidden_layers=2),
+}
+# family -> (module, fla layer, replicated client, client)
+CLIENTS = {
+    "delta_product": ("delta_product_clients", "fla_delta_product_layer", "replicated_delta_product",
+                      "fla_delta_product_client"),
+    "gdn2": ("gdn2_clients", "fla_gdn2_layer", "replicated_gdn2", "fla_gdn2_client"),
+    "rwkv7": ("rwkv7_clients", "fla_rwkv7_layer", "replicated_rwkv7", "fla_rwkv7_client"),
+}
+# every placement the clients support on four ranks (no sequence parallelism: the clients' inputs
+# are whole over TP); fla's CP layouts, contiguous and zigzag ("fla-zigzag")
+PLACEMENTS = [
+    Placement(tp=4),
+    Placement(cp=4),
+    Placement(cp=4, cp_layout="fla-zigzag"),
+    Placement(tp=2, cp=2),
+    Placement(tp=2, cp=2, cp_layout="fla-zigzag"),
+]
+
+
+def float64_reference_forward(layer, x, cu_seqlens):
+    """The replicated client's forward with fla's ops computed by linattn's float64 references (a
+    CPU float64 layer must never reach fla's Triton kernels)."""
+    from linattn.emulation import fla_on_cpu
+
+    with fla_on_cpu(torch.float64):
+        return layer(x, cu_seqlens)
+
+
+def _rounded(t, round_to):
+    return t if round_to is None else t.to(round_to).double()
+
+
+def family_cases(family: str, *, tokens: int, seed: int, dtype: torch.dtype, rtol: float,
+                 round_to: torch.dtype | None = None, placements=PLACEMENTS) -> list[ParityCase]:
+    """One ParityCase per placement of the family's client on one packed batch of `tokens` tokens
+    (packed for fla's zigzag over 4 ranks: boundaries on interval edges, a sequence across several
+    ranks; valid for CP 2 and contiguous too). Every case shares the weights, the inputs and one
+    float64 reference run."""
+    module, make_fla_layer, make_replicated, make_client = CLIENTS[family]
+    clients = importlib.import_module(module)
+    sizes = SIZES[family]
+    fla_layer = getattr(clients, make_fla_layer)(seed, sizes)
+    with torch.no_grad():
+        for p in fla_layer.parameters():
+            p.copy_(_rounded(p, round_to))
+    reference = getattr(clients, make_replicated)(fla_layer, sizes)
+    client = getattr(clients, make_client)(sizes=sizes)
+    cu = packed_seqlens(tokens, cp_size=4, layout="fla-zigzag", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 50)
+    x, dy = (_rounded(torch.randn(1, tokens, HIDDEN, generator=gen, dtype=torch.float64), round_to)
+             for _ in range(2))
+    return [ParityCase(client, p, reference, cu, x, dy, rtol, dtype, name=f"fla {family}/{p.name}/seed{seed}",
+                       reference_forward=float64_reference_forward)
+            for p in placements]
