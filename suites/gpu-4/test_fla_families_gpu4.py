@@ -53,8 +53,27 @@ def run_family(spawn, family, seed, placements=PLACEMENTS):
     assert_parity_cases(spawn, cases, world_size=WORLD, bitwise_replicated=False)
 
 
-@pytest.mark.parametrize("placement", PLACEMENTS, ids=lambda p: p.name)
-@pytest.mark.parametrize("family, seed", [("gdn2", 7100), ("rwkv7", 7200)])
+# Seen on one H200 (2026-12-03, fla 0.6.0, Triton 3.6, 4 ranks sharing the GPU): at CP 4 in fla's
+# zigzag layout the RWKV-7 client's outputs are right, but dx (4.2e-1) and 13 of 26 parameter
+# gradients (9e-2 to 1.0: the token-mix vectors, k_k, r_proj, the w / a adapters) are not; TP 4 and
+# CP 4 contiguous pass. Under the emulation the same client matches the float64 layer to 1e-15 at
+# every placement, so the difference lies in fla's kernels' CP backward (the DPLR state's or the
+# width-2 conv's that carries the token shift): not located yet.
+RWKV7_CP4_ZIGZAG = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "fla's kernels at CP 4, fla-zigzag: RWKV-7's dx and 13 parameter gradients off by 0.09 to 1.0, outputs "
+    "right (2026-12-03, H200); the emulation matches at 1e-15: not located between fla's DPLR and conv CP "
+    "backwards"))
+
+
+def _family_params():
+    for family, seed in (("gdn2", 7100), ("rwkv7", 7200)):
+        for placement in PLACEMENTS:
+            known = family == "rwkv7" and placement.cp == 4 and placement.cp_layout == "fla-zigzag"
+            yield pytest.param(family, seed, placement, id=f"{family}-{placement.name}",
+                               marks=(RWKV7_CP4_ZIGZAG,) if known else ())
+
+
+@pytest.mark.parametrize("family, seed, placement", list(_family_params()))
 def test_fla_family_bf16_matches_float64(spawn, family, seed, placement):
     # one placement per test: a failure at one leaves the others' verdicts
     run_family(spawn, family, seed, [placement])
