@@ -252,12 +252,24 @@ def make_case(config, cu_seqlens, *, seed, rtol, tp=1, cp=1, layout="contiguous"
     )
 
 
-def run_layer(layer, x, dy, cu_seqlens):
-    """Forward and backward of `layer` on x with output cotangent dy: (y, dx, parameter grads)."""
+def run_layer(layer, x, dy, cu_seqlens, forward=None):
+    """Forward and backward of `layer` on x with output cotangent dy: (y, dx, parameter grads).
+    forward: how the layer is called, `forward(layer, x, cu_seqlens)` (default `layer(x, cu_seqlens)`)."""
     x = x.clone().requires_grad_()
-    y = layer(x, cu_seqlens)
+    y = layer(x, cu_seqlens) if forward is None else forward(layer, x, cu_seqlens)
     (y * dy).sum().backward()
     return y.detach(), x.grad, {n: p.grad for n, p in layer.named_parameters()}
+
+
+def run_layer_tensors(layer, x, dy, cu_seqlens, forward=None) -> dict:
+    """`run_layer`'s results as one dict for assert_parity: y, dx and d<parameter>."""
+    y, dx, grads = run_layer(layer, x, dy, cu_seqlens, forward)
+    return {"y": y, "dx": dx, **{f"d{n}": g for n, g in grads.items()}}
+
+
+def report_row(report: str, start: str) -> str:
+    """The first line of a parity report that starts with `start` (after its indentation)."""
+    return next(line for line in report.splitlines() if line.strip().startswith(start))
 
 
 def local_tokens(t, case, tp_rank, cp_rank):

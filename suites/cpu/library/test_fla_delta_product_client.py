@@ -12,6 +12,7 @@ this rank's cu_seqlens instead of the CP context (no state crosses the ranks).
 import pytest
 import torch
 
+from layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -47,9 +48,9 @@ def test_keys_sharded_across_steps_are_caught(fla_on_cpu, spawn):
     report = str(info.value)
     assert report.startswith("parity failed for case fla delta_product/tp2/seed54: 5 failing check(s)")
     # O(1) off, located: the output by sequence and token, the keys' weight gradient by row
-    output = next(line for line in report.splitlines() if line.strip().startswith("fla delta_product/tp2/seed54 output"))
+    output = report_row(report, "fla delta_product/tp2/seed54 output")
     assert float(output.split()[4]) > 0.1 and "seq 2 token 1 (global 10), feature" in output
-    keys = next(line for line in report.splitlines() if line.strip().startswith("k_proj.weight"))
+    keys = report_row(report, "k_proj.weight")
     assert float(keys.split()[1]) > 0.1 and "row " in keys
 
 
@@ -61,12 +62,7 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
     cu = torch.tensor([0, 1, 9, 16, 24])
     gen = torch.Generator().manual_seed(56)
     x, dy = (torch.randn(1, 24, fla_layer.hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
-    results = []
-    for layer, forward in ((fla_layer, fla_forward), (client, lambda m, x, cu: m(x, cu))):
-        x_leaf = x.clone().requires_grad_()
-        y = forward(layer, x_leaf, cu)
-        (y * dy).sum().backward()
-        results.append({"y": y, "dx": x_leaf.grad, **{f"d{n}": p.grad for n, p in layer.named_parameters()}})
+    results = [run_layer_tensors(fla_layer, x, dy, cu, fla_forward), run_layer_tensors(client, x, dy, cu)]
     assert len(results[0]) == 15
     assert_parity(results[1], results[0], rtol=FLA_FLOAT32_GATE_RTOL, name="client vs fla GatedDeltaProduct",
                   cu_seqlens=cu)
@@ -85,8 +81,7 @@ def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
                               reference_forward=replicated_forward, name="fla delta_product")
     report = str(info.value)
     assert report.startswith("parity failed for case fla delta_product/cp2-contiguous/seed58:")
-    lines = report.splitlines()
-    output = next(line for line in lines if line.strip().startswith("fla delta_product/cp2-contiguous/seed58 output"))
+    output = report_row(report, "fla delta_product/cp2-contiguous/seed58 output")
     assert float(output.split()[3]) > 0.1 and "seq 1 token" in output and "on CP rank 1," in output
-    dx = next(line for line in lines if line.strip().startswith("fla delta_product/cp2-contiguous/seed58 dx"))
+    dx = report_row(report, "fla delta_product/cp2-contiguous/seed58 dx")
     assert "seq 1 token" in dx and "on CP rank 0," in dx  # dS never goes back to the rank before

@@ -13,6 +13,7 @@ crosses the ranks).
 import pytest
 import torch
 
+from layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -46,12 +47,7 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
     cu = torch.tensor([0, 1, 9, 16, 24])
     gen = torch.Generator().manual_seed(66)
     x, dy = (torch.randn(1, 24, fla_layer.hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
-    results = []
-    for layer, forward in ((fla_layer, fla_forward), (client, lambda m, x, cu: m(x, cu))):
-        x_leaf = x.clone().requires_grad_()
-        y = forward(layer, x_leaf, cu)
-        (y * dy).sum().backward()
-        results.append({"y": y, "dx": x_leaf.grad, **{f"d{n}": p.grad for n, p in layer.named_parameters()}})
+    results = [run_layer_tensors(fla_layer, x, dy, cu, fla_forward), run_layer_tensors(client, x, dy, cu)]
     assert len(results[0]) == 19
     assert_parity(results[1], results[0], rtol=FLA_FLOAT32_GATE_RTOL, name="client vs fla GatedDeltaNet2",
                   cu_seqlens=cu)
@@ -67,11 +63,10 @@ def test_write_gate_sharded_in_strided_head_order_is_caught(fla_on_cpu, spawn):
                               reference_forward=replicated_forward, name="fla gdn2")
     report = str(info.value)
     assert report.startswith("parity failed for case fla gdn2/tp2/seed64:")
-    lines = report.splitlines()
     # O(1) off, located: the output by sequence and token, the write gate's weight gradient by row
-    output = next(line for line in lines if line.strip().startswith("fla gdn2/tp2/seed64 output"))
+    output = report_row(report, "fla gdn2/tp2/seed64 output")
     assert float(output.split()[4]) > 0.1 and "seq 1 token 6 (global 7), feature" in output
-    write_gate = next(line for line in lines if line.strip().startswith("w_proj.weight"))
+    write_gate = report_row(report, "w_proj.weight")
     assert float(write_gate.split()[1]) > 0.1 and "row " in write_gate
 
 
@@ -87,8 +82,7 @@ def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
                               reference_forward=replicated_forward, name="fla gdn2")
     report = str(info.value)
     assert report.startswith("parity failed for case fla gdn2/cp2-contiguous/seed68:")
-    lines = report.splitlines()
-    output = next(line for line in lines if line.strip().startswith("fla gdn2/cp2-contiguous/seed68 output"))
+    output = report_row(report, "fla gdn2/cp2-contiguous/seed68 output")
     assert float(output.split()[3]) > 0.1 and "seq 1 token" in output and "on CP rank 1," in output
-    dx = next(line for line in lines if line.strip().startswith("fla gdn2/cp2-contiguous/seed68 dx"))
+    dx = report_row(report, "fla gdn2/cp2-contiguous/seed68 dx")
     assert float(dx.split()[3]) > 0.1 and "seq 1 token" in dx  # the crossing sequence's gradient

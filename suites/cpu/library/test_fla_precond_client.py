@@ -13,6 +13,7 @@ the other rank's gate.
 import pytest
 import torch
 
+from layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -42,12 +43,7 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
     cu = torch.tensor([0, 1, 9, 16, 24])
     gen = torch.Generator().manual_seed(76)
     x, dy = (torch.randn(1, 24, fla_layer.hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
-    results = []
-    for layer, forward in ((fla_layer, fla_forward), (client, lambda m, x, cu: m(x, cu))):
-        x_leaf = x.clone().requires_grad_()
-        y = forward(layer, x_leaf, cu)
-        (y * dy).sum().backward()
-        results.append({"y": y, "dx": x_leaf.grad, **{f"d{n}": p.grad for n, p in layer.named_parameters()}})
+    results = [run_layer_tensors(fla_layer, x, dy, cu, fla_forward), run_layer_tensors(client, x, dy, cu)]
     assert len(results[0]) == 20  # y, dx and all 18 parameters, the ATK ones included
     assert_parity(results[1], results[0], rtol=FLA_FLOAT32_GATE_RTOL, name="client vs fla PrecondGatedDeltaNet",
                   cu_seqlens=cu)
@@ -80,10 +76,9 @@ def test_atk_gate_sharded_in_reversed_head_order_is_caught(fla_on_cpu, spawn):
                               reference_forward=replicated_forward, name="fla precond gdn")
     report = str(info.value)
     assert report.startswith("parity failed for case fla precond gdn/tp2/seed74:")
-    lines = report.splitlines()
     # the output is off by ~1e-2 (the ATK gate only reshapes the keys' preconditioner), located by
     # sequence and token; the ATK gate's own weight gradient is O(1) off, located by row
-    output = next(line for line in lines if line.strip().startswith("fla precond gdn/tp2/seed74 output"))
+    output = report_row(report, "fla precond gdn/tp2/seed74 output")
     assert float(output.split()[5]) > 1e-3 and "seq 1 token" in output
-    atk_gate = next(line for line in lines if line.strip().startswith("a_atk_proj.weight"))
+    atk_gate = report_row(report, "a_atk_proj.weight")
     assert float(atk_gate.split()[1]) > 0.1 and "row " in atk_gate

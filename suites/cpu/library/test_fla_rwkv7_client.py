@@ -12,6 +12,7 @@ op given this rank's cu_seqlens instead of the CP context (no state crosses the 
 import pytest
 import torch
 
+from layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -48,12 +49,7 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
     cu = torch.tensor([0, 1, 9, 16, 24])
     gen = torch.Generator().manual_seed(64)
     x, dy = (torch.randn(1, 24, fla_layer.hidden_size, generator=gen, dtype=torch.float64) for _ in range(2))
-    results = []
-    for layer, forward in ((fla_layer, fla_forward), (client, lambda m, x, cu: m(x, cu))):
-        x_leaf = x.clone().requires_grad_()
-        y = forward(layer, x_leaf, cu)
-        (y * dy).sum().backward()
-        results.append({"y": y, "dx": x_leaf.grad, **{f"d{n}": p.grad for n, p in layer.named_parameters()}})
+    results = [run_layer_tensors(fla_layer, x, dy, cu, fla_forward), run_layer_tensors(client, x, dy, cu)]
     assert len(results[0]) == len(results[1]) == 28
     assert_parity(results[1], results[0], rtol=1e-12, name="client vs fla RWKV7Attention", cu_seqlens=cu)
 
@@ -68,10 +64,9 @@ def test_adapter_rows_sharded_strided_are_caught(fla_on_cpu, spawn):
                               reference_forward=replicated_forward, name="fla rwkv7")
     report = str(info.value)
     assert report.startswith("parity failed for case fla rwkv7/tp2/seed66:")
-    lines = report.splitlines()
-    output = next(line for line in lines if line.strip().startswith("fla rwkv7/tp2/seed66 output"))
+    output = report_row(report, "fla rwkv7/tp2/seed66 output")
     assert float(output.split()[4]) > 0.1 and "seq 2 token 2 (global 11), feature" in output
-    adapter = next(line for line in lines if line.strip().startswith("a_lora.lora.2.weight"))
+    adapter = report_row(report, "a_lora.lora.2.weight")
     assert float(adapter.split()[1]) > 0.1 and "row " in adapter
 
 
@@ -87,8 +82,7 @@ def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
                               reference_forward=replicated_forward, name="fla rwkv7")
     report = str(info.value)
     assert report.startswith("parity failed for case fla rwkv7/cp2-contiguous/seed68:")
-    lines = report.splitlines()
-    output = next(line for line in lines if line.strip().startswith("fla rwkv7/cp2-contiguous/seed68 output"))
+    output = report_row(report, "fla rwkv7/cp2-contiguous/seed68 output")
     assert float(output.split()[3]) > 1e-3 and "seq 1 token" in output and "on CP rank 1," in output
-    dx = next(line for line in lines if line.strip().startswith("fla rwkv7/cp2-contiguous/seed68 dx"))
+    dx = report_row(report, "fla rwkv7/cp2-contiguous/seed68 dx")
     assert "seq 1 token" in dx and "on CP rank 0," in dx  # dS never goes back to the rank before
