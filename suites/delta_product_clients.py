@@ -18,12 +18,11 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 from einops import rearrange
 from fla.layers import GatedDeltaProduct
 from fla.ops.gated_delta_product import chunk_gated_delta_product
 
-from fla_clients import cp_context
+from fla_clients import cp_context, reduce_norm_grad
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -150,12 +149,6 @@ def unshard(grads, placement, sizes=SIZES):
         else:
             out[name] = unshard_steps([g[name] for g in grads], sizes[rule[1]])
     return out
-
-
-def reduce_norm_grad(module, placement):
-    """The trainer's finalize step: o_norm is replicated over TP, each rank's gradient a partial sum."""
-    if placement.tp > 1:
-        dist.all_reduce(module.o_norm.weight.grad, group=module.tp_group)
 
 
 def fla_delta_product_client(shard_keys=shard_steps, op_gets_cp_context=True, sizes=SIZES):

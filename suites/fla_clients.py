@@ -98,18 +98,36 @@ def build_gdn(placement, groups, dtype, device, fla_layout=None):
     return HeadShardedGDN(placement, groups, fla_layout).to(device, dtype)
 
 
-def shard_gdn(full, placement, tp_rank):
-    return {n: t if GDN_SPLIT[n] is None else t.chunk(placement.tp, GDN_SPLIT[n])[tp_rank] for n, t in full.items()}
+def shard_by_head(t, tp, tp_rank, dim=0):
+    """This TP rank's block of heads along dim."""
+    return t.chunk(tp, dim)[tp_rank]
 
 
-def unshard_gdn(grads, placement):
-    return {n: grads[0][n] if dim is None else torch.cat([g[n] for g in grads], dim) for n, dim in GDN_SPLIT.items()}
+def shard_by_table(full, placement, tp_rank, split, sharders=None):
+    """Every weight's TP shard by `split` (name -> the dim its heads lie along, None: replicated);
+    `sharders` (name -> fn(t, tp, tp_rank)) shards a weight another way (a client's planted bug)."""
+    sharders = sharders or {}
+    return {n: t if split[n] is None else sharders.get(n, functools.partial(shard_by_head, dim=split[n]))(
+        t, placement.tp, tp_rank) for n, t in full.items()}
 
 
-def reduce_norm_grad(module, placement):
-    """The trainer's finalize step: o_norm is replicated over TP, each rank's gradient a partial sum."""
+def unshard_by_table(grads, placement, split):
+    """The ranks' gradients put back together by `split` (a replicated weight's from rank 0)."""
+    return {n: grads[0][n] if dim is None else torch.cat([g[n] for g in grads], dim) for n, dim in split.items()}
+
+
+def reduce_replicated_grads(module, placement, names):
+    """The trainer's finalize step: a weight in `names` is replicated over TP, each rank's gradient
+    a partial sum over its heads."""
     if placement.tp > 1:
-        dist.all_reduce(module.o_norm.weight.grad, group=module.tp_group)
+        for name, p in module.named_parameters():
+            if name in names:
+                dist.all_reduce(p.grad, group=module.tp_group)
+
+
+shard_gdn = functools.partial(shard_by_table, split=GDN_SPLIT)
+unshard_gdn = functools.partial(unshard_by_table, split=GDN_SPLIT)
+reduce_norm_grad = functools.partial(reduce_replicated_grads, names={"o_norm.weight"})
 
 
 def fla_gdn_client(fla_layout=None):

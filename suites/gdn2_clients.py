@@ -20,13 +20,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from fla.layers.gdn2 import GatedDeltaNet2
 from fla.ops.gdn2 import chunk_gdn2
 
-from fla_clients import cp_context
+from fla_clients import cp_context, reduce_replicated_grads, shard_by_head, shard_by_table, unshard_by_table
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -116,41 +115,11 @@ def build_gdn2(placement, groups, dtype, device, op_gets_cp_context=True, sizes=
     return HeadShardedGDN2(placement, groups, op_gets_cp_context, sizes).to(device, dtype)
 
 
-def shard_by_head(t, tp, tp_rank, dim=0):
-    """This TP rank's block of heads along dim."""
-    return t.chunk(tp, dim)[tp_rank]
-
-
-def shard(full, placement, tp_rank, shard_write_gate=shard_by_head):
-    out = {}
-    for name, t in full.items():
-        dim = SPLIT[name]
-        if dim is None:
-            out[name] = t
-        elif name == "w_proj.weight":
-            out[name] = shard_write_gate(t, placement.tp, tp_rank)
-        else:
-            out[name] = shard_by_head(t, placement.tp, tp_rank, dim)
-    return out
-
-
-def unshard(grads, placement):
-    return {name: grads[0][name] if dim is None else torch.cat([g[name] for g in grads], dim)
-            for name, dim in SPLIT.items()}
-
-
-def reduce_replicated_grads(module, placement):
-    """The trainer's finalize step: each TP rank's gradient of a replicated weight is a partial sum."""
-    if placement.tp > 1:
-        for name, p in module.named_parameters():
-            if name in REPLICATED:
-                dist.all_reduce(p.grad, group=module.tp_group)
-
-
 def fla_gdn2_client(shard_write_gate=shard_by_head, op_gets_cp_context=True, sizes=SIZES):
     """The client; `shard_write_gate(t, tp, tp_rank)` gives a TP rank its w_proj rows;
     `op_gets_cp_context=False` gives the op this rank's cu_seqlens instead (a layer whose recurrence
     never hears of CP); `sizes` fla's layer arguments (default SIZES)."""
     return ShardedLayer(functools.partial(build_gdn2, op_gets_cp_context=op_gets_cp_context, sizes=sizes),
-                        functools.partial(shard, shard_write_gate=shard_write_gate), unshard,
-                        replicated=REPLICATED, after_backward=reduce_replicated_grads)
+                        functools.partial(shard_by_table, split=SPLIT, sharders={"w_proj.weight": shard_write_gate}),
+                        functools.partial(unshard_by_table, split=SPLIT), replicated=REPLICATED,
+                        after_backward=functools.partial(reduce_replicated_grads, names=REPLICATED))

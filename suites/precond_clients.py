@@ -23,12 +23,12 @@ from __future__ import annotations
 import functools
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from einops import rearrange
 from fla.layers.precond_gated_deltanet import PrecondGatedDeltaNet
 from fla.ops.precond_gated_delta_rule import chunk_precond_gated_delta_rule
 
+from fla_clients import reduce_replicated_grads, shard_by_head, shard_by_table, unshard_by_table
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -123,39 +123,10 @@ def build_precond(placement, groups, dtype, device):
     return HeadShardedPrecondGDN(placement, groups).to(device, dtype)
 
 
-def shard_by_head(t, tp, tp_rank, dim=0):
-    """This TP rank's block of heads along dim."""
-    return t.chunk(tp, dim)[tp_rank]
-
-
-def shard(full, placement, tp_rank, shard_atk_gate=shard_by_head):
-    out = {}
-    for name, t in full.items():
-        dim = SPLIT[name]
-        if dim is None:
-            out[name] = t
-        elif name == "a_atk_proj.weight":
-            out[name] = shard_atk_gate(t, placement.tp, tp_rank)
-        else:
-            out[name] = shard_by_head(t, placement.tp, tp_rank, dim)
-    return out
-
-
-def unshard(grads, placement):
-    return {name: grads[0][name] if dim is None else torch.cat([g[name] for g in grads], dim)
-            for name, dim in SPLIT.items()}
-
-
-def reduce_replicated_grads(module, placement):
-    """The trainer's finalize step: each TP rank's gradient of a replicated weight is a partial sum."""
-    if placement.tp > 1:
-        for name, p in module.named_parameters():
-            if name in REPLICATED:
-                dist.all_reduce(p.grad, group=module.tp_group)
-
-
 def fla_precond_client(shard_atk_gate=shard_by_head):
     """The client; `shard_atk_gate(t, tp, tp_rank)` gives a TP rank its a_atk_proj rows (the ATK
     preconditioner's decay gate, one row per key head)."""
-    return ShardedLayer(build_precond, functools.partial(shard, shard_atk_gate=shard_atk_gate), unshard,
-                        replicated=REPLICATED, after_backward=reduce_replicated_grads)
+    return ShardedLayer(build_precond,
+                        functools.partial(shard_by_table, split=SPLIT, sharders={"a_atk_proj.weight": shard_atk_gate}),
+                        functools.partial(unshard_by_table, split=SPLIT), replicated=REPLICATED,
+                        after_backward=functools.partial(reduce_replicated_grads, names=REPLICATED))

@@ -32,7 +32,7 @@ from fla.ops.rwkv7.fused_k_update import fused_k_rwkv7
 from fla.ops.rwkv7.gate_output_correction import gate_output_correction
 from torch import nn
 
-from fla_clients import cp_context
+from fla_clients import cp_context, reduce_replicated_grads
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -174,19 +174,11 @@ def unshard(grads, placement):
     return out
 
 
-def reduce_replicated_grads(module, placement):
-    """The trainer's finalize step: the token mixes and adapter down-projections are replicated over
-    TP, each rank's gradient a partial sum over its heads."""
-    if placement.tp > 1:
-        for name, p in module.named_parameters():
-            if name in REPLICATED:
-                dist.all_reduce(p.grad, group=module.tp_group)
-
-
 def fla_rwkv7_client(shard_lora=head_block, op_gets_cp_context=True, sizes=SIZES):
     """The client; `shard_lora(t, tp, tp_rank)` gives a TP rank its a-adapter up-projection rows;
     `op_gets_cp_context=False` gives the op this rank's cu_seqlens instead (a layer whose recurrence
     never hears of CP); `sizes` fla's layer arguments (default SIZES)."""
     return ShardedLayer(functools.partial(build_rwkv7, op_gets_cp_context=op_gets_cp_context, sizes=sizes),
                         functools.partial(shard, shard_lora=shard_lora), unshard,
-                        replicated=REPLICATED, after_backward=reduce_replicated_grads)
+                        replicated=REPLICATED,
+                        after_backward=functools.partial(reduce_replicated_grads, names=REPLICATED))
