@@ -73,10 +73,6 @@ def replicated_delta_product(fla_layer, sizes=SIZES):
     return layer
 
 
-def replicated_forward(layer, x, cu_seqlens):
-    return layer(x, cu_seqlens)
-
-
 class HeadShardedDeltaProduct(GatedDeltaProduct):
     """fla's GatedDeltaProduct holding num_heads / tp key heads and num_v_heads / tp value heads."""
 

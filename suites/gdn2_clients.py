@@ -74,10 +74,6 @@ def replicated_gdn2(fla_layer, sizes=SIZES):
     return layer
 
 
-def replicated_forward(layer, x, cu_seqlens):
-    return layer(x, cu_seqlens)
-
-
 class HeadShardedGDN2(GatedDeltaNet2):
     """fla's GatedDeltaNet2 holding num_heads / tp key heads and num_v_heads / tp value heads."""
 

@@ -81,10 +81,6 @@ def replicated_precond(fla_layer):
     return layer
 
 
-def replicated_forward(layer, x, cu_seqlens):
-    return layer(x, cu_seqlens)
-
-
 class HeadShardedPrecondGDN(PrecondGatedDeltaNet):
     """fla's PrecondGatedDeltaNet holding num_heads / tp key heads and num_v_heads / tp value heads."""
 

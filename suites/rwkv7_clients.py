@@ -79,10 +79,6 @@ def replicated_rwkv7(fla_layer, sizes=SIZES):
     return layer
 
 
-def replicated_forward(layer, x, cu_seqlens):
-    return layer(x, cu_seqlens)
-
-
 class HeadShardedRWKV7(RWKV7Attention):
     """fla's RWKV7Attention holding num_heads / tp heads (fla ties its key width to hidden_size,
     so the head-sized parts are rebuilt at their TP size)."""

@@ -26,25 +26,23 @@ def contiguous_rows(t, heads, tp, tp_rank):
 
 
 def test_fla_delta_product_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
-    from delta_product_clients import (fla_delta_product_client, fla_delta_product_layer, replicated_delta_product,
-                                       replicated_forward)
+    from delta_product_clients import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
 
     layer = replicated_delta_product(fla_delta_product_layer(seed=51))
     cu = packed_seqlens(32, 5, cp_size=2, layout="fla-zigzag", seed=6)
     placements = [Placement(tp=2), Placement(cp=2), Placement(tp=2, cp=2, cp_layout="fla-zigzag")]
     assert_sharded_parity(spawn, fla_delta_product_client(), layer, placements, cu, hidden_size=layer.hidden_size,
-                          seed=52, rtol=RTOL, world_size=4, reference_forward=replicated_forward, name="fla delta_product")
+                          seed=52, rtol=RTOL, world_size=4, name="fla delta_product")
 
 
 def test_keys_sharded_across_steps_are_caught(fla_on_cpu, spawn):
-    from delta_product_clients import (fla_delta_product_client, fla_delta_product_layer, replicated_delta_product,
-                                       replicated_forward)
+    from delta_product_clients import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
 
     layer = replicated_delta_product(fla_delta_product_layer(seed=53))
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, fla_delta_product_client(shard_keys=contiguous_rows), layer, [Placement(tp=2)],
                               [0, 1, 9, 16], hidden_size=layer.hidden_size, seed=54, rtol=RTOL,
-                              reference_forward=replicated_forward, name="fla delta_product")
+                              name="fla delta_product")
     report = str(info.value)
     assert report.startswith("parity failed for case fla delta_product/tp2/seed54: 5 failing check(s)")
     # O(1) off, located: the output by sequence and token, the keys' weight gradient by row
@@ -71,14 +69,13 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
 def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
     # the convs get fla's CP context, the op only this rank's cu_seqlens: sequence 1 crosses the
     # rank boundary and restarts from zero state on rank 1
-    from delta_product_clients import (fla_delta_product_client, fla_delta_product_layer, replicated_delta_product,
-                                       replicated_forward)
+    from delta_product_clients import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
 
     layer = replicated_delta_product(fla_delta_product_layer(seed=57))
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, fla_delta_product_client(op_gets_cp_context=False), layer, [Placement(cp=2)],
                               [0, 1, 12, 16], hidden_size=layer.hidden_size, seed=58, rtol=RTOL,
-                              reference_forward=replicated_forward, name="fla delta_product")
+                              name="fla delta_product")
     report = str(info.value)
     assert report.startswith("parity failed for case fla delta_product/cp2-contiguous/seed58:")
     output = report_row(report, "fla delta_product/cp2-contiguous/seed58 output")

@@ -30,13 +30,13 @@ def strided_value_heads(t, tp, tp_rank):
 
 
 def test_fla_gdn2_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
-    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_forward, replicated_gdn2
+    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
 
     layer = replicated_gdn2(fla_gdn2_layer(seed=61))
     cu = packed_seqlens(32, 5, cp_size=2, layout="fla-zigzag", seed=6)
     placements = [Placement(tp=2), Placement(cp=2), Placement(tp=2, cp=2, cp_layout="fla-zigzag")]
     assert_sharded_parity(spawn, fla_gdn2_client(), layer, placements, cu, hidden_size=layer.hidden_size,
-                          seed=62, rtol=RTOL, world_size=4, reference_forward=replicated_forward, name="fla gdn2")
+                          seed=62, rtol=RTOL, world_size=4, name="fla gdn2")
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
@@ -54,13 +54,12 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
 
 
 def test_write_gate_sharded_in_strided_head_order_is_caught(fla_on_cpu, spawn):
-    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_forward, replicated_gdn2
+    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
 
     layer = replicated_gdn2(fla_gdn2_layer(seed=63))
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, fla_gdn2_client(shard_write_gate=strided_value_heads), layer, [Placement(tp=2)],
-                              [0, 1, 9, 16], hidden_size=layer.hidden_size, seed=64, rtol=RTOL,
-                              reference_forward=replicated_forward, name="fla gdn2")
+                              [0, 1, 9, 16], hidden_size=layer.hidden_size, seed=64, rtol=RTOL, name="fla gdn2")
     report = str(info.value)
     assert report.startswith("parity failed for case fla gdn2/tp2/seed64:")
     # O(1) off, located: the output by sequence and token, the write gate's weight gradient by row
@@ -73,13 +72,12 @@ def test_write_gate_sharded_in_strided_head_order_is_caught(fla_on_cpu, spawn):
 def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
     # the convs get fla's CP context, the op only this rank's cu_seqlens: sequence 1 crosses the
     # rank boundary and restarts from zero state on rank 1
-    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_forward, replicated_gdn2
+    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
 
     layer = replicated_gdn2(fla_gdn2_layer(seed=67))
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, fla_gdn2_client(op_gets_cp_context=False), layer, [Placement(cp=2)],
-                              [0, 1, 12, 16], hidden_size=layer.hidden_size, seed=68, rtol=RTOL,
-                              reference_forward=replicated_forward, name="fla gdn2")
+                              [0, 1, 12, 16], hidden_size=layer.hidden_size, seed=68, rtol=RTOL, name="fla gdn2")
     report = str(info.value)
     assert report.startswith("parity failed for case fla gdn2/cp2-contiguous/seed68:")
     output = report_row(report, "fla gdn2/cp2-contiguous/seed68 output")

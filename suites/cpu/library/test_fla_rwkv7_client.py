@@ -32,13 +32,13 @@ def test_every_parameter_has_a_tp_rule(fla_on_cpu):
 
 
 def test_fla_rwkv7_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
-    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_forward, replicated_rwkv7
+    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
 
     layer = replicated_rwkv7(fla_rwkv7_layer(seed=61))
     cu = packed_seqlens(32, 5, cp_size=2, layout="fla-zigzag", seed=6)
     placements = [Placement(tp=2), Placement(cp=2), Placement(tp=2, cp=2, cp_layout="fla-zigzag")]
     assert_sharded_parity(spawn, fla_rwkv7_client(), layer, placements, cu, hidden_size=layer.hidden_size,
-                          seed=62, rtol=RTOL, world_size=4, reference_forward=replicated_forward, name="fla rwkv7")
+                          seed=62, rtol=RTOL, world_size=4, name="fla rwkv7")
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
@@ -55,13 +55,12 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
 
 
 def test_adapter_rows_sharded_strided_are_caught(fla_on_cpu, spawn):
-    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_forward, replicated_rwkv7
+    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
 
     layer = replicated_rwkv7(fla_rwkv7_layer(seed=65))
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, fla_rwkv7_client(shard_lora=strided_rows), layer, [Placement(tp=2)],
-                              [0, 1, 9, 16], hidden_size=layer.hidden_size, seed=66, rtol=RTOL,
-                              reference_forward=replicated_forward, name="fla rwkv7")
+                              [0, 1, 9, 16], hidden_size=layer.hidden_size, seed=66, rtol=RTOL, name="fla rwkv7")
     report = str(info.value)
     assert report.startswith("parity failed for case fla rwkv7/tp2/seed66:")
     output = report_row(report, "fla rwkv7/tp2/seed66 output")
@@ -73,13 +72,12 @@ def test_adapter_rows_sharded_strided_are_caught(fla_on_cpu, spawn):
 def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
     # the token shift gets fla's CP context, the op only this rank's cu_seqlens: sequence 1 crosses
     # the rank boundary and restarts from zero state on rank 1
-    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_forward, replicated_rwkv7
+    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
 
     layer = replicated_rwkv7(fla_rwkv7_layer(seed=67))
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, fla_rwkv7_client(op_gets_cp_context=False), layer, [Placement(cp=2)],
-                              [0, 1, 12, 16], hidden_size=layer.hidden_size, seed=68, rtol=RTOL,
-                              reference_forward=replicated_forward, name="fla rwkv7")
+                              [0, 1, 12, 16], hidden_size=layer.hidden_size, seed=68, rtol=RTOL, name="fla rwkv7")
     report = str(info.value)
     assert report.startswith("parity failed for case fla rwkv7/cp2-contiguous/seed68:")
     output = report_row(report, "fla rwkv7/cp2-contiguous/seed68 output")
