@@ -22,7 +22,7 @@ from einops import rearrange
 from fla.layers import GatedDeltaProduct
 from fla.ops.gated_delta_product import chunk_gated_delta_product
 
-from fla_clients import cp_context, reduce_norm_grad
+from fla_clients import cp_context, reduce_norm_grad, seed_gated_weights
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -43,24 +43,7 @@ def fla_delta_product_layer(seed: int, sizes=SIZES):
     """fla's GatedDeltaProduct in float64, its weights fresh from `seed` (decays exp(-A softplus)
     ~ 0.3-1 per token, conv and projection weights near their usual scale)."""
     layer = GatedDeltaProduct(**sizes).double()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            x = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            if name == "A_log":
-                p.copy_(torch.empty(p.shape, dtype=torch.float64).uniform_(0.5, 2.0, generator=gen).log())
-            elif name == "dt_bias":
-                p.copy_(x - 1.0)
-            elif name == "o_norm.weight":
-                p.copy_(1.0 + 0.2 * x)
-            else:
-                p.copy_(x / max(1, p.shape[-1]) ** 0.5)
-    return layer
-
-
-def fla_forward(layer, x, cu_seqlens):
-    """fla's own layer as the harness calls a reference."""
-    return layer(x, cu_seqlens=cu_seqlens.long())[0]
+    return seed_gated_weights(layer, seed)
 
 
 def replicated_delta_product(fla_layer, sizes=SIZES):

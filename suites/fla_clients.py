@@ -55,6 +55,28 @@ def fla_forward(layer, x, cu_seqlens):
     return layer(x, cu_seqlens=cu_seqlens.long())[0]
 
 
+def seed_gated_weights(layer, seed, *, decays=("A_log",), steps=("dt_bias",), special=None):
+    """An fla layer's weights fresh from `seed`, in place: decays exp(-A softplus) ~ 0.3-1 per token
+    (A_log of A in [0.5, 2], dt_bias about -1), the output norm near 1, every other weight near its
+    usual scale; `special` (name -> fn(standard normal draw)) sets a weight another way."""
+    gen = torch.Generator().manual_seed(seed)
+    special = special or {}
+    with torch.no_grad():
+        for name, p in layer.named_parameters():
+            x = torch.randn(p.shape, generator=gen, dtype=torch.float64)
+            if name in decays:
+                p.copy_(torch.empty(p.shape, dtype=torch.float64).uniform_(0.5, 2.0, generator=gen).log())
+            elif name in steps:
+                p.copy_(x - 1.0)
+            elif name in special:
+                p.copy_(special[name](x))
+            elif name == "o_norm.weight":
+                p.copy_(1.0 + 0.2 * x)
+            else:
+                p.copy_(x / max(1, p.shape[-1]) ** 0.5)
+    return layer
+
+
 def cp_context(cu_seqlens, placement, cp_group, conv_size, fla_layout=None):
     """The ops' sequence arguments: fla's CP context under CP, else the batch's cu_seqlens."""
     if cp_group is None:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn.functional as F
 from einops import rearrange
 from fla.layers.gdn2 import GatedDeltaNet2
 from fla.ops.gdn2 import chunk_gdn2
 
-from fla_clients import cp_context, reduce_replicated_grads, shard_by_head, shard_by_table, unshard_by_table
+from fla_clients import (cp_context, reduce_replicated_grads, seed_gated_weights,
+                         shard_by_head, shard_by_table, unshard_by_table)
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -45,24 +45,7 @@ def fla_gdn2_layer(seed: int, sizes=SIZES):
     """fla's GatedDeltaNet2 in float64, its weights fresh from `seed` (decays exp(-A softplus) ~
     0.3-1 per token, conv and projection weights near their usual scale)."""
     layer = GatedDeltaNet2(**sizes).double()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            x = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            if name == "A_log":
-                p.copy_(torch.empty(p.shape, dtype=torch.float64).uniform_(0.5, 2.0, generator=gen).log())
-            elif name == "dt_bias":
-                p.copy_(x - 1.0)
-            elif name == "o_norm.weight":
-                p.copy_(1.0 + 0.2 * x)
-            else:
-                p.copy_(x / max(1, p.shape[-1]) ** 0.5)
-    return layer
-
-
-def fla_forward(layer, x, cu_seqlens):
-    """fla's own layer as the harness calls a reference."""
-    return layer(x, cu_seqlens=cu_seqlens.long())[0]
+    return seed_gated_weights(layer, seed)
 
 
 def replicated_gdn2(fla_layer, sizes=SIZES):

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import functools
 
-import torch
 import torch.nn.functional as F
 from einops import rearrange
 from fla.layers.precond_gated_deltanet import PrecondGatedDeltaNet
 from fla.ops.precond_gated_delta_rule import chunk_precond_gated_delta_rule
 
-from fla_clients import reduce_replicated_grads, shard_by_head, shard_by_table, unshard_by_table
+from fla_clients import reduce_replicated_grads, seed_gated_weights, shard_by_head, shard_by_table, unshard_by_table
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -50,26 +49,12 @@ def fla_precond_layer(seed: int):
     ~ 0.3-1 per token for both recurrences, log_atk_scale near fla's -0.2, conv and projection
     weights near their usual scale)."""
     layer = PrecondGatedDeltaNet(**SIZES).double()
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in layer.named_parameters():
-            x = torch.randn(p.shape, generator=gen, dtype=torch.float64)
-            if name in ("A_log", "A_log_atk"):
-                p.copy_(torch.empty(p.shape, dtype=torch.float64).uniform_(0.5, 2.0, generator=gen).log())
-            elif name in ("dt_bias", "dt_bias_atk"):
-                p.copy_(x - 1.0)
-            elif name == "log_atk_scale":
-                p.copy_(-0.2 + 0.3 * x)
-            elif name == "o_norm.weight":
-                p.copy_(1.0 + 0.2 * x)
-            else:
-                p.copy_(x / max(1, p.shape[-1]) ** 0.5)
-    return layer
+    return seed_gated_weights(layer, seed, decays=("A_log", "A_log_atk"), steps=("dt_bias", "dt_bias_atk"),
+                              special={"log_atk_scale": _near_fla_atk_scale})
 
 
-def fla_forward(layer, x, cu_seqlens):
-    """fla's own layer as the harness calls a reference."""
-    return layer(x, cu_seqlens=cu_seqlens.long())[0]
+def _near_fla_atk_scale(x):
+    return -0.2 + 0.3 * x
 
 
 def replicated_precond(fla_layer):

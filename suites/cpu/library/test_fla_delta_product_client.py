@@ -53,7 +53,8 @@ def test_keys_sharded_across_steps_are_caught(fla_on_cpu, spawn):
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
-    from delta_product_clients import fla_delta_product_layer, fla_forward, replicated_delta_product
+    from delta_product_clients import fla_delta_product_layer, replicated_delta_product
+    from fla_clients import fla_forward
 
     fla_layer = fla_delta_product_layer(seed=55)
     client = replicated_delta_product(fla_layer)

@@ -40,7 +40,8 @@ def test_fla_gdn2_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
-    from gdn2_clients import fla_forward, fla_gdn2_layer, replicated_gdn2
+    from gdn2_clients import fla_gdn2_layer, replicated_gdn2
+    from fla_clients import fla_forward
 
     fla_layer = fla_gdn2_layer(seed=65)
     client = replicated_gdn2(fla_layer)

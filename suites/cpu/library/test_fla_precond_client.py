@@ -36,7 +36,8 @@ def test_fla_precond_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlen
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
-    from precond_clients import fla_forward, fla_precond_layer, replicated_precond
+    from precond_clients import fla_precond_layer, replicated_precond
+    from fla_clients import fla_forward
 
     fla_layer = fla_precond_layer(seed=75)
     client = replicated_precond(fla_layer)
