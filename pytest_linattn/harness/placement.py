@@ -140,6 +140,8 @@ def real_positions(cu_seqlens, placement: Placement) -> torch.Tensor:
     """Where the real tokens lie in the batch the ranks hold (int64, in token order): position
     `padded_cu_seqlens[i] + j` for token j of sequence i; `arange(T)` for an unpadded layout."""
     cu = as_cu_seqlens(cu_seqlens).long()
+    if not placement.padded:
+        return torch.arange(int(cu[-1]))
     padded = padded_cu_seqlens(cu, placement).long()
     sequence = torch.repeat_interleave(torch.arange(cu.numel() - 1), cu.diff())
     return torch.arange(int(cu[-1])) + (padded[:-1] - cu[:-1])[sequence]

@@ -16,7 +16,7 @@ activations it did not keep. Two things must hold, and each is checked:
                        cluster a rank that skips a collective its peers make hangs or mismatches.
 
 The collectives are recorded by the collective mutants' recorder
-(`pytest_linattn.mutation.rank.CollectiveInterceptor`, recording only), entered inside the
+(`pytest_linattn.mutation.rank.InterceptingMode`, recording only), entered inside the
 checkpointed function, so each call of the function (the forward, then the replay) has its own
 list and the layer's backward collectives are in neither. Non-reentrant checkpoint runs with
 early stop off: the replay then runs the whole forward, and its collectives are compared whole.
@@ -57,17 +57,17 @@ def recorded_forward(forward, x, recompute):
     it stays empty."""
     from torch.utils.checkpoint import checkpoint
 
-    from ..mutation.rank import CollectiveInterceptor
+    from ..mutation.rank import CollectiveInterceptor, InterceptingMode
 
     calls: list[list[dict]] = []
 
     def run(x_in):
-        mode = CollectiveInterceptor()  # records only: no target
+        mode = InterceptingMode(CollectiveInterceptor())  # records only: no target
         try:
             with mode:
                 return forward(x_in)
         finally:
-            calls.append([{k: c[k] for k in ("op", "site", "function", "group_size")} for c in mode.calls])
+            calls.append([{k: c[k] for k in ("op", "site", "function", "group_size")} for c in mode.interceptor.calls])
 
     if not recompute:  # nothing to compare: no dispatch mode over the layer
         return forward(x), calls

@@ -48,10 +48,11 @@ class Recording:
         self.seen[name] = self.seen.get(name, 0) + 1
         self.current = f"{name}#{self.seen[name]}"
         if self.target is None:
-            return {"target": None}
+            return {"target": None, "interceptor": "both"}
         if self.target["call"] != self.current:
             return None
-        return {"target": {k: self.target[k] for k in ("site", "op", "occurrence", "mutation")}}
+        return {"target": {k: self.target[k] for k in ("site", "op", "occurrence", "mutation")},
+                "interceptor": self.target.get("interceptor", "mode")}
 
     def add(self, rank_calls: dict[int, list]) -> None:
         self.calls.setdefault(self.current, {}).update(rank_calls)
@@ -106,8 +107,13 @@ def make_mutants(calls: dict[int, dict[int, list]]) -> list[dict]:
     site_order = {}
     for key in found:
         site_order.setdefault((key[1], key[2]), len(site_order))
+    # the rank's library kernels alone, where in the clean run they saw every call its mode saw
+    library = {c: all(rec.get("library_sees_all", False) for rank in calls[c] for rec in calls[c][rank])
+               for c in calls}
     names = list(MUTATIONS)
     mutants = [m for key, m in found.items() if set(m["ranks"]) == made_by[key[:4]]]
+    for m in mutants:
+        m["interceptor"] = "library" if library[m["call"]] else "mode"
     call_order = {c: i for i, c in enumerate(calls)}
     mutants.sort(key=lambda m: (site_order[(m["site"], m["op"])], call_order[m["call"]], m["occurrence"],
                                 names.index(m["mutation"])))

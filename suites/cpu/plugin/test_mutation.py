@@ -76,19 +76,24 @@ def _plain(outs):
     return [{k: v.tolist() for k, v in o.items()} for o in outs]
 
 
-def test_every_mutation_changes_its_collective_as_the_table_says(spawn):
+@pytest.mark.parametrize("interceptor", ["library", "mode"])
+def test_every_mutation_changes_its_collective_as_the_table_says(spawn, interceptor):
     assert {m for m, *_ in EXPECTED} == set(MUTATIONS)  # every mutation of the table is checked
     with plan.recording() as clean:
         assert _plain(spawn(collectives_on_rank, 2)) == CLEAN
     [(call, calls)] = clean.calls.items()
     assert call.endswith(".collectives_on_rank#1") and sorted(calls) == [0, 1] and len(calls[0]) == len(calls[1])
+    # the library kernels saw every call the mode saw: mutants rerun without the mode
+    assert all(rec["library_sees_all"] for rank in calls.values() for rec in rank)
+    assert {m["interceptor"] for m in plan.make_mutants(clean.calls)} == {"library"}
     kinds = {"funcol": "_c10d_functional.all_reduce", "recv1": "c10d.recv_"}
     for mutation, key, occurrence, want in EXPECTED:
         op_kind = MUTATIONS[mutation].kind
         rec = next(c for c in calls[0] if c["op"] == kinds.get(key, c["op"]) and c["kind"] == op_kind
                    and c["occurrence"] == occurrence and mutation in c["mutations"])
         assert rec["function"] == "collectives_on_rank" and rec["site"].endswith(".py:" + rec["site"].rsplit(":")[-1])
-        target = {"call": call, "site": rec["site"], "op": rec["op"], "occurrence": occurrence, "mutation": mutation}
+        target = {"call": call, "site": rec["site"], "op": rec["op"], "occurrence": occurrence, "mutation": mutation,
+                  "interceptor": interceptor}
         with plan.recording(target):
             got = _plain(spawn(collectives_on_rank, 2))
         for r in range(2):
@@ -129,6 +134,35 @@ def test_a_reduction_in_backward_is_seen_as_backward_and_mutated(spawn):
     [m] = [m for m in plan.make_mutants(clean.calls) if m["mutation"] == "all_reduce.skip"]
     with plan.recording(m):
         assert [g.tolist() for g in spawn(backward_reduce_on_rank, 2)] == [[[2, 2]], [[4, 4]]]
+
+
+def summed_over_ranks(x):
+    """x all-reduced where autograd is already excluded, as the kernel of a C++ extension's op
+    may issue it: the library's kernels at the Autograd key do not see it, the mode does."""
+    y = x.clone()
+    with torch._C._AutoDispatchBelowADInplaceOrView():
+        dist.all_reduce(y)
+    return y
+
+
+def reduce_inside_an_op_on_rank():
+    t = torch.full((2,), float(dist.get_rank() + 1))
+    dist.all_reduce(t)  # seen by both
+    return t, summed_over_ranks(torch.full((2,), float(dist.get_rank() + 1)))
+
+
+def test_a_collective_only_the_mode_sees_makes_the_reruns_use_the_mode(spawn):
+    with plan.recording() as clean:
+        assert [[v.tolist() for v in out] for out in spawn(reduce_inside_an_op_on_rank, 2)] == [[[3, 3], [3, 3]]] * 2
+    [ranks] = clean.calls.values()
+    assert [rec["function"] for rec in ranks[0]] == ["reduce_inside_an_op_on_rank", "summed_over_ranks"]
+    assert not any(rec["library_sees_all"] for rec in ranks[0])
+    mutants = [m for m in plan.make_mutants(clean.calls) if m["mutation"] == "all_reduce.skip"]
+    assert [(m["function"], m["interceptor"]) for m in mutants] == [
+        ("reduce_inside_an_op_on_rank", "mode"), ("summed_over_ranks", "mode")]
+    with plan.recording(mutants[1]):  # the mode reaches the collective inside the op
+        assert [[v.tolist() for v in out] for out in spawn(reduce_inside_an_op_on_rank, 2)] == [
+            [[3, 3], [1, 1]], [[3, 3], [2, 2]]]
 
 
 def ddp_grad_on_rank():
@@ -270,9 +304,10 @@ def test_spawn_calls_are_named_by_function_so_a_cached_call_does_not_shift_the_t
     target = {"call": f"{__name__}.ddp_grad_on_rank#1", "site": "s", "op": "o", "occurrence": 0,
               "mutation": "all_reduce.skip"}
     clean = plan.Recording()
-    assert clean.next_message(collectives_on_rank) == {"target": None}  # every call recorded
+    assert clean.next_message(collectives_on_rank) == {"target": None, "interceptor": "both"}  # every call recorded
     rerun = plan.Recording(target)  # the rerun skips the first call (cached by the test): same name still
-    assert rerun.next_message(ddp_grad_on_rank) == {"target": {k: target[k] for k in ("site", "op", "occurrence", "mutation")}}
+    assert rerun.next_message(ddp_grad_on_rank) == {"target": {k: target[k] for k in ("site", "op", "occurrence", "mutation")},
+                                                    "interceptor": "mode"}
     assert rerun.next_message(ddp_grad_on_rank) is None  # the second call of it: not intercepted
 
 
