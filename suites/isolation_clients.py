@@ -13,7 +13,8 @@
   (one linear-attention layer, one full-attention layer), small, float64; `hf_call(model)` runs
   it on input embeddings and returns the last hidden states.
 - `torch_fallbacks(*modules)`: transformers' own torch fallbacks for fla's kernels bound in
-  place of fla's (what a machine without fla runs), restored on exit.
+  place of fla's, with the wrapper's state as a machine without fla has it (what such a machine
+  runs, transformers' packed-sequence guard included), restored on exit.
 - `boundary_aware_conv(modeling)`: a short conv for `modeling.causal_conv1d_fn` that honours the
   `cu_seq_lens_q` kwarg the model passes it (transformers' torch fallback drops it).
 """
@@ -21,6 +22,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 
 import torch
 import torch.nn as nn
@@ -199,26 +201,35 @@ def hf_call(model):
 
 @contextlib.contextmanager
 def torch_fallbacks(*modules):
-    """transformers binds fla's kernel (when fla imports) in the closure of each
-    `use_kernel_func_from_hub_with_fallback` wrapper; put the wrapped torch function there instead,
-    in every module's wrappers, and restore fla's on exit."""
-    from linattn.emulation.patching import _closure_cells
-
-    swapped = []
+    """What a machine without fla binds, in each `use_kernel_func_from_hub_with_fallback` wrapper
+    of `modules` that holds one of fla's functions: the wrapper's closure as if fla had not
+    imported. transformers decides three things once, at import, and reads them on every call:
+    `implementation` (here the wrapped torch function), `is_new_implementation` (False: the torch
+    path; from 5.20 the packed-sequence guard reads it) and `applicable_params` (the torch
+    function's parameters, the kwargs it is handed). Restored on exit; yields the number of
+    wrappers rebound (0 when transformers' wrapper no longer has these names)."""
+    rebound = []
     for module in modules:
         for fn in vars(module).values():
             torch_function = getattr(fn, "__wrapped__", None)
-            if not callable(fn) or torch_function is None:
+            code, closure = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+            if not callable(fn) or torch_function is None or code is None or closure is None:
                 continue
-            for cell in _closure_cells(fn):
-                value = cell.cell_contents
-                if callable(value) and value is not torch_function and getattr(value, "__module__", "").startswith("fla"):
-                    swapped.append((cell, value))
-                    cell.cell_contents = torch_function
+            cells = dict(zip(code.co_freevars, closure))
+            if not {"implementation", "is_new_implementation", "applicable_params"} <= cells.keys():
+                continue
+            implementation = cells["implementation"].cell_contents
+            if implementation is torch_function or not getattr(implementation, "__module__", "").startswith("fla"):
+                continue
+            without_fla = {"implementation": torch_function, "is_new_implementation": False,
+                           "applicable_params": tuple(inspect.signature(torch_function).parameters)}
+            for name, value in without_fla.items():
+                rebound.append((cells[name], cells[name].cell_contents))
+                cells[name].cell_contents = value
     try:
-        yield len(swapped)
+        yield len(rebound) // 3
     finally:
-        for cell, value in swapped:
+        for cell, value in reversed(rebound):
             cell.cell_contents = value
 
 
