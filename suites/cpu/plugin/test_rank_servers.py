@@ -2,7 +2,7 @@
 that imported torch (and fla) once, in this process's environment of now; CUDA ranks spawned; a
 forked pytest run's (suites/inner_pytest.py) rank servers cold, or forked from its own server.
 
-That no rank and no server outlives its pytest (Ctrl-C, SIGKILL) is test_plugin_spawn's
+That no rank and no server outlives its pytest (Ctrl-C, SIGKILL) is test_spawn_pools'
 test_no_rank_outlives_its_pytest; that two xdist workers' pools never meet, its
 test_xdist_pools_never_collide.
 """
