@@ -27,6 +27,7 @@ import ctypes
 import gc
 import os
 import signal
+import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
@@ -174,3 +175,44 @@ def junit_outcomes(junit) -> dict[str, str]:
         out[case.get("name")] = ("failed" if "failure" in kids or "error" in kids
                                  else "skipped" if "skipped" in kids else "passed")
     return out
+
+
+# -- pytest under a real torchrun (launcher mode)
+
+
+def torchrun_env(tag):
+    env = {**os.environ, "LINATTN_LEAK_TAG": tag, "GLOO_SOCKET_IFNAME": "lo", "LINATTN_LONG_WAIT": str(LONG_WAIT)}
+    env.pop("PYTEST_ADDOPTS", None)
+    return env
+
+
+TORCHRUN_PYTEST = ["-m", "pytest", "-p", "pytest_linattn", "--linattn-device", "cpu", "-p", "no:randomly",
+          "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml=junit.xml"]
+
+
+def finish(procs, timeout) -> list[str]:
+    """Every process's output; a process still running after `timeout` is killed with its group."""
+    texts = []
+    try:
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            out, _ = proc.communicate(timeout=max(1.0, deadline - time.monotonic()))
+            texts.append(out.decode(errors="replace"))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, 9)
+                proc.wait()
+    return texts
+
+
+def one_node_torchrun(pytester, tag: str, *pytest_args: str, timeout: float) -> tuple[int, str]:
+    """pytest under `torchrun --standalone` with 2 ranks: (exit code, output). The output is
+    printed too: pytest shows a failed test's captured output whole (an assertion's message it cuts)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *TORCHRUN_PYTEST,
+           *pytest_args]
+    proc = subprocess.Popen(cmd, cwd=pytester.path, env=torchrun_env(tag), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    [text] = finish([proc], timeout)
+    print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")
+    return proc.returncode, text
