@@ -3,8 +3,7 @@
 Every emulated op against linattn.reference computed directly (float64, <= 1e-12) with every
 option, on a packed batch with a length-1 sequence and random initial states; against fla's
 float32 naive references per sequence (<= 1e-5); gradients by gradcheck; dtypes as fla returns
-them; through the fla_on_cpu switch; refusals; and cp_context= at CP 2 and 4 against the
-single-process result (<= 1e-10).
+them; through the fla_on_cpu switch; refusals. cp_context=: test_emulation_cp.py.
 """
 
 import importlib
@@ -17,91 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from emulation_cases import (CASES, F64, GATE, HV, KDA_OPTIONS, LENGTHS, OPS, OPTIONS, RTOL32, RTOL64, H, K, V,
+                             emulated_call, expected_beta, expected_log_decay, packed_inputs)
 from linattn import reference
 from linattn.emulation import delta_rules as emu
 from pytest_linattn import assert_parity
-
-F64 = torch.float64
-RTOL64, RTOL32, RTOL_CP = 1e-12, 1e-5, 1e-10
-H, HV, K, V = 1, 2, 3, 2  # GVA: two value heads per key head
-LENGTHS = [1, 6, 3]  # packed, with a length-1 sequence
-
-# op name: (emulated op, reference op, reference mode)
-OPS = {
-    "chunk_kda": (emu.chunk_kda, reference.kda, "chunk"),
-    "fused_recurrent_kda": (emu.fused_recurrent_kda, reference.kda, "recurrent"),
-    "chunk_gated_delta_rule": (emu.chunk_gated_delta_rule, reference.gated_delta_rule, "chunk"),
-    "fused_recurrent_gated_delta_rule": (emu.fused_recurrent_gated_delta_rule, reference.gated_delta_rule, "recurrent"),
-}
-GATE = dict(use_gate_in_kernel=True, A_log="A_log", dt_bias="dt_bias")  # strings name input tensors
-# option sets for every op; kda_only ones need the per-channel gate's lower bound
-OPTIONS = {
-    "plain": {},
-    "gate": GATE,
-    "gate-no-dt-bias": dict(use_gate_in_kernel=True, A_log="A_log"),
-    "beta-sigmoid": dict(use_beta_sigmoid_in_kernel=True),
-    "neg-eigval": dict(use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True),
-    "l2norm+scale": dict(use_qk_l2norm_in_kernel=True, scale=0.3),
-    "state-v-first": dict(state_v_first=True),
-    "all": dict(GATE, use_beta_sigmoid_in_kernel=True, allow_neg_eigval=True, use_qk_l2norm_in_kernel=True,
-                scale=0.7, state_v_first=True),
-}
-KDA_OPTIONS = {
-    "gate-lower-bound": dict(GATE, lower_bound=-3.0, safe_gate=True),
-    "gate-lower-bound-no-A_log": dict(use_gate_in_kernel=True, dt_bias="dt_bias", lower_bound=-5.0),
-    "safe-gate-precomputed": dict(safe_gate=True, lower_bound=-5.0),
-    "all-lower-bound": dict(GATE, lower_bound=-4.0, safe_gate=True, use_beta_sigmoid_in_kernel=True,
-                            use_qk_l2norm_in_kernel=True, state_v_first=True),
-    "accepted-no-ops": dict(chunk_size=32, disable_recompute=True, use_graph=True, max_num_seqs=len(LENGTHS)),
-}
-CASES = [(op, name) for op in OPS for name in list(OPTIONS) + (list(KDA_OPTIONS) if "kda" in op else [])]
-
-
-def packed_inputs(seed, per_channel, lengths=LENGTHS, heads=(H, HV)):
-    """Fresh float64 inputs for one packed batch: raw and activated gates and betas, A_log, dt_bias, h0."""
-    gen = torch.Generator().manual_seed(seed)
-    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
-    h, hv = heads
-    T = sum(lengths)
-    g_shape = (1, T, hv, K) if per_channel else (1, T, hv)
-    x = dict(q=rand(1, T, h, K), k=F.normalize(rand(1, T, h, K), dim=-1), v=rand(1, T, hv, V),
-             g_raw=rand(*g_shape), beta_raw=rand(1, T, hv), A_log=0.5 * rand(hv),
-             dt_bias=rand(hv * K if per_channel else hv), h0=rand(len(lengths), hv, K, V))
-    x["g"], x["beta"] = F.logsigmoid(x["g_raw"]), torch.sigmoid(x["beta_raw"])
-    return x, torch.tensor([0] + lengths).cumsum(0)
-
-
-def expected_log_decay(x, opts, per_channel):
-    """The in-kernel gates as fla's docstrings write them."""
-    if not opts.get("use_gate_in_kernel"):
-        return x["g"]
-    g = x["g_raw"]
-    if "dt_bias" in opts:
-        g = g + (x["dt_bias"].view(HV, K) if per_channel else x["dt_bias"])
-    A = x["A_log"].exp().view(HV, 1) if per_channel else x["A_log"].exp()
-    if opts.get("lower_bound") is not None:
-        return opts["lower_bound"] * torch.sigmoid(A * g if "A_log" in opts else g)
-    return -A * F.softplus(g)
-
-
-def expected_beta(x, opts):
-    if not opts.get("use_beta_sigmoid_in_kernel"):
-        return x["beta"]
-    return torch.sigmoid(x["beta_raw"]) * (2 if opts.get("allow_neg_eigval") else 1)
-
-
-def emulated_call(op_name, x, cu, opts, **extra):
-    """The emulated op on x with the options (tensor names resolved), h0 in the requested layout."""
-    op = OPS[op_name][0]
-    kwargs = {n: (x[v] if isinstance(v, str) else v) for n, v in opts.items()}
-    g = x["g_raw"] if opts.get("use_gate_in_kernel") else x["g"]
-    beta = x["beta_raw"] if opts.get("use_beta_sigmoid_in_kernel") else x["beta"]
-    h0 = x["h0"].transpose(-1, -2).contiguous() if opts.get("state_v_first") else x["h0"]
-    kwargs = dict(dict(initial_state=h0, output_final_state=True, cu_seqlens=cu), **kwargs, **extra)
-    o, S = op(q=x["q"], k=x["k"], v=x["v"], g=g, beta=beta, **kwargs)
-    if S is not None and opts.get("state_v_first"):
-        S = S.transpose(-1, -2)
-    return o, S
 
 
 @pytest.mark.parametrize("op_name, case", CASES)
@@ -447,108 +366,3 @@ def test_switch_rebinds_and_restores(fla):
     assert_parity(o32, o_ref0, rtol=RTOL32, name="fla_on_cpu(float32)")
 
 
-# ----------------------------------------------------------------------------------------------
-# context parallelism: fla's chunk ops with cp_context=build_cp_context(...), under the switch
-
-# (name, sequence lengths, fla layout) per CP size; sequences cross rank boundaries, one has length 1
-CP_CASES = {
-    2: [("crossing", [1, 9, 6], "contiguous"), ("zigzag", [3, 10, 3], "zigzag")],
-    4: [("crossing", [5, 22, 1, 4], "contiguous"), ("short-pieces", [1, 7], "contiguous"),
-        ("zigzag", [2, 9, 5], "zigzag")],
-}
-CP_OPS = ("chunk_kda", "chunk_gated_delta_rule")
-CP_OPTIONS = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
-TOKEN_INPUTS = ("q", "k", "v", "g_raw", "beta_raw")
-PARAMETERS = ("A_log", "dt_bias")
-
-
-def _local_index(total, rank, cp_size, layout):
-    """Global tokens of a rank: one interval (contiguous) or intervals r and 2cp-1-r of the whole batch (fla's zigzag)."""
-    part = total // (2 * cp_size)
-    intervals = [rank, 2 * cp_size - 1 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
-    return torch.cat([torch.arange(i * part, (i + 1) * part) for i in intervals])
-
-
-def _cp_group(cp_size):
-    """The world for CP 4; for CP 2 ranks {0, 1} or {2, 3}. Every rank creates every group, in order."""
-    import torch.distributed as dist
-
-    if cp_size == dist.get_world_size():
-        return dist.group.WORLD
-    groups = [dist.new_group(list(range(first, first + cp_size))) for first in range(0, dist.get_world_size(), cp_size)]
-    return groups[dist.get_rank() // cp_size]
-
-
-def _leaves(case, index=None):
-    tokens = {n: case[n] if index is None else case[n][:, index] for n in TOKEN_INPUTS}
-    return {n: t.detach().clone().requires_grad_() for n, t in {**tokens, **{n: case[n] for n in PARAMETERS}}.items()}
-
-
-def _call_with_grads(op, case, index=None, **kwargs):
-    """o and the gradients of a random projection of it, for every differentiable input."""
-    x = _leaves(case, index)
-    o, S = op(q=x["q"], k=x["k"], v=x["v"], g=x["g_raw"], beta=x["beta_raw"], A_log=x["A_log"],
-              dt_bias=x["dt_bias"], **CP_OPTIONS, **kwargs)
-    do = case["do"] if index is None else case["do"][:, index]
-    (o * do).sum().backward()
-    return S, dict(o=o.detach(), **{f"d{n}": t.grad for n, t in x.items()})
-
-
-def _run_cp_ops(cases_by_cp):
-    """On every rank, under fla_on_cpu: fla's chunk_kda / chunk_gated_delta_rule with cp_context."""
-    import torch.distributed as dist
-    from fla.ops.cp import build_cp_context
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-    from fla.ops.kda import chunk_kda
-
-    assert chunk_kda is emu.PATCHES["fla.ops.kda.chunk:chunk_kda"]
-    ops = {"chunk_kda": chunk_kda, "chunk_gated_delta_rule": chunk_gated_delta_rule}
-    results = {}
-    for cp_size, cases in cases_by_cp.items():
-        group = _cp_group(cp_size)
-        rank = dist.get_rank(group)
-        results[cp_size] = []
-        for case in cases:
-            index = _local_index(int(case["cu"][-1]), rank, cp_size, case["layout"])
-            ctx = build_cp_context(case["cu"], group, layout=case["layout"])
-            out = {}
-            for op_name, op in ops.items():
-                S, out[op_name] = _call_with_grads(op, case[op_name], index, cp_context=ctx)
-                assert S is None
-            results[cp_size].append(out)
-    return results
-
-
-def test_cp_matches_single_process(fla_on_cpu, spawn):
-    # one spawn of 4 ranks (importing fla costs seconds per rank): CP 4 over the world, CP 2 over
-    # two subgroups of it
-    cases_by_cp = {}
-    for cp_size, table in CP_CASES.items():
-        cases_by_cp[cp_size] = []
-        for i, (name, lengths, layout) in enumerate(table):
-            case = dict(name=name, layout=layout, cu=torch.tensor([0] + lengths).cumsum(0))
-            for op_name in CP_OPS:
-                x, _ = packed_inputs(200 + 10 * cp_size + i, per_channel=op_name == "chunk_kda", lengths=lengths)
-                x["do"] = torch.randn(x["v"].shape, generator=torch.Generator().manual_seed(i), dtype=F64)
-                case[op_name] = x
-            cases_by_cp[cp_size].append(case)
-    world = max(CP_CASES)
-    per_rank = spawn(_run_cp_ops, world, cases_by_cp)
-
-    for cp_size, cases in cases_by_cp.items():
-        for i, case in enumerate(cases):
-            cu, T = case["cu"], int(case["cu"][-1])
-            order = torch.cat([_local_index(T, r, cp_size, case["layout"]) for r in range(cp_size)])
-            for op_name in CP_OPS:
-                _, expected = _call_with_grads(OPS[op_name][0], case[op_name], cu_seqlens=cu)
-                for first in range(0, world, cp_size):  # each CP group's ranks
-                    pieces = [per_rank[r][cp_size][i][op_name] for r in range(first, first + cp_size)]
-                    got = {}
-                    for key in expected:
-                        if key in ("dA_log", "ddt_bias"):  # per-rank partial sums over CP
-                            got[key] = torch.stack([p[key] for p in pieces]).sum(0)
-                        else:
-                            got[key] = torch.empty_like(expected[key])
-                            got[key][:, order] = torch.cat([p[key] for p in pieces], dim=1)
-                    assert_parity(got, expected, rtol=RTOL_CP, cu_seqlens=cu,
-                                  name=f"cp{cp_size}(ranks {first}-{first + cp_size - 1})/{case['name']}/{op_name}")
