@@ -1,7 +1,7 @@
-"""The emulated delta-rule ops' cases, shared by the emulation tests (suites/cpu/library/
-test_emulation_ops.py, test_emulation_cp.py): the ops with their references, every option set,
-fresh packed float64 inputs, the gates and betas as fla's docstrings write them, and one call of
-an emulated op."""
+"""The emulated ops' cases, shared by the emulation tests (suites/cpu/library/
+test_emulation_ops.py, test_emulation_cp.py): the delta-rule ops with their references, every
+option set, fresh packed float64 inputs, the gates and betas as fla's docstrings write them, one
+call of an emulated op; the CP packings, a rank's tokens in fla's layouts and its CP group."""
 
 import torch
 import torch.nn.functional as F
@@ -90,3 +90,31 @@ def emulated_call(op_name, x, cu, opts, **extra):
     if S is not None and opts.get("state_v_first"):
         S = S.transpose(-1, -2)
     return o, S
+
+
+# (name, sequence lengths, fla layout) per CP size; sequences cross rank boundaries, one has
+# length 1; at CP 4 "short-pieces" gives each rank 2 tokens, fewer than a conv's W-1 = 3 (the
+# halo spans 2 ranks)
+CP_CASES = {
+    2: [("crossing", [1, 9, 6], "contiguous"), ("zigzag", [3, 10, 3], "zigzag")],
+    4: [("crossing", [5, 22, 1, 4], "contiguous"), ("short-pieces", [1, 7], "contiguous"),
+        ("zigzag", [2, 9, 5], "zigzag")],
+}
+
+
+def local_index(total, rank, cp_size, layout):
+    """Global tokens of a rank: one interval (contiguous) or intervals r and 2cp-1-r of the whole batch (fla's zigzag)."""
+    part = total // (2 * cp_size)
+    intervals = [rank, 2 * cp_size - 1 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
+    return torch.cat([torch.arange(i * part, (i + 1) * part) for i in intervals])
+
+
+def cp_group(cp_size):
+    """This rank's CP group: the world for CP 4; for CP 2, ranks {0, 1} or {2, 3} (a subgroup, so
+    group-local ranks differ from global ones). Every rank creates every group, in order."""
+    import torch.distributed as dist
+
+    if cp_size == dist.get_world_size():
+        return dist.group.WORLD
+    groups = [dist.new_group(list(range(first, first + cp_size))) for first in range(0, dist.get_world_size(), cp_size)]
+    return groups[dist.get_rank() // cp_size]

@@ -4,38 +4,16 @@ and zigzag layouts, outputs and gradients against the single-process result (<= 
 
 import torch
 
-from emulation_cases import F64, OPS, RTOL_CP, packed_inputs
-from linattn.emulation import delta_rules as emu
+from emulation_cases import CP_CASES, F64, OPS, RTOL_CP, cp_group, local_index, packed_inputs
+from linattn.emulation import cp as emulation_cp, delta_rules as emu
+from linattn.reference import short_conv
 from pytest_linattn import assert_parity
 
 
-# (name, sequence lengths, fla layout) per CP size; sequences cross rank boundaries, one has length 1
-CP_CASES = {
-    2: [("crossing", [1, 9, 6], "contiguous"), ("zigzag", [3, 10, 3], "zigzag")],
-    4: [("crossing", [5, 22, 1, 4], "contiguous"), ("short-pieces", [1, 7], "contiguous"),
-        ("zigzag", [2, 9, 5], "zigzag")],
-}
 CP_OPS = ("chunk_kda", "chunk_gated_delta_rule")
 CP_OPTIONS = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True, use_qk_l2norm_in_kernel=True)
 TOKEN_INPUTS = ("q", "k", "v", "g_raw", "beta_raw")
 PARAMETERS = ("A_log", "dt_bias")
-
-
-def _local_index(total, rank, cp_size, layout):
-    """Global tokens of a rank: one interval (contiguous) or intervals r and 2cp-1-r of the whole batch (fla's zigzag)."""
-    part = total // (2 * cp_size)
-    intervals = [rank, 2 * cp_size - 1 - rank] if layout == "zigzag" else [2 * rank, 2 * rank + 1]
-    return torch.cat([torch.arange(i * part, (i + 1) * part) for i in intervals])
-
-
-def _cp_group(cp_size):
-    """The world for CP 4; for CP 2 ranks {0, 1} or {2, 3}. Every rank creates every group, in order."""
-    import torch.distributed as dist
-
-    if cp_size == dist.get_world_size():
-        return dist.group.WORLD
-    groups = [dist.new_group(list(range(first, first + cp_size))) for first in range(0, dist.get_world_size(), cp_size)]
-    return groups[dist.get_rank() // cp_size]
 
 
 def _leaves(case, index=None):
@@ -64,11 +42,11 @@ def _run_cp_ops(cases_by_cp):
     ops = {"chunk_kda": chunk_kda, "chunk_gated_delta_rule": chunk_gated_delta_rule}
     results = {}
     for cp_size, cases in cases_by_cp.items():
-        group = _cp_group(cp_size)
+        group = cp_group(cp_size)
         rank = dist.get_rank(group)
         results[cp_size] = []
         for case in cases:
-            index = _local_index(int(case["cu"][-1]), rank, cp_size, case["layout"])
+            index = local_index(int(case["cu"][-1]), rank, cp_size, case["layout"])
             ctx = build_cp_context(case["cu"], group, layout=case["layout"])
             out = {}
             for op_name, op in ops.items():
@@ -97,7 +75,7 @@ def test_cp_matches_single_process(fla_on_cpu, spawn):
     for cp_size, cases in cases_by_cp.items():
         for i, case in enumerate(cases):
             cu, T = case["cu"], int(case["cu"][-1])
-            order = torch.cat([_local_index(T, r, cp_size, case["layout"]) for r in range(cp_size)])
+            order = torch.cat([local_index(T, r, cp_size, case["layout"]) for r in range(cp_size)])
             for op_name in CP_OPS:
                 _, expected = _call_with_grads(OPS[op_name][0], case[op_name], cu_seqlens=cu)
                 for first in range(0, world, cp_size):  # each CP group's ranks
@@ -111,3 +89,118 @@ def test_cp_matches_single_process(fla_on_cpu, spawn):
                             got[key][:, order] = torch.cat([p[key] for p in pieces], dim=1)
                     assert_parity(got, expected, rtol=RTOL_CP, cu_seqlens=cu,
                                   name=f"cp{cp_size}(ranks {first}-{first + cp_size - 1})/{case['name']}/{op_name}")
+
+
+# ------------------------------------------------------------------------------------------
+# fla's causal_conv1d and ShortConvolution with cp_context (W = 4: a halo of 3 tokens)
+
+D, W = 3, 4  # conv channels and width
+
+
+def _fields(ctx):
+    names = ("cu_seqlens", "is_last_rank", "pre_num_ranks", "is_first_rank", "post_num_ranks", "conv1d_kernel_size",
+             "pre_num_conv_tokens", "layout", "part_len", "front_num_seqs", "pre_num_ranks_by_part",
+             "post_num_ranks_by_part", "is_first_by_part", "is_last_by_part", "pre_num_conv_tokens_by_part")
+    return {n: getattr(ctx, n) for n in names}
+
+
+def _leaf(t):
+    return t.detach().clone().requires_grad_(True)
+
+
+def _run_cp_conv(cases_by_cp):
+    """On every rank, under fla_on_cpu: fla's causal_conv1d and ShortConvolution with cp_context."""
+    import torch.distributed as dist
+    from fla.modules import ShortConvolution
+    from fla.modules.causal_conv1d.ops import causal_conv1d
+    from fla.ops.cp import build_cp_context
+    from fla.ops.cp.context import get_cp_cu_seqlens
+
+    assert build_cp_context is emulation_cp.PATCHES["fla.ops.cp.context:build_cp_context"]
+    results = {}
+    for cp_size, cases in cases_by_cp.items():
+        group = cp_group(cp_size)
+        rank = dist.get_rank(group)
+        results[cp_size] = []
+        for case in cases:
+            cu, layout = case["cu"], case["layout"]
+            index = local_index(int(cu[-1]), rank, cp_size, layout)
+            ctx = build_cp_context(cu, group, conv1d_kernel_size=W, layout=layout)
+            # a context built by fla's own function: piece_context reassembles the same partition
+            fla_ctx = get_cp_cu_seqlens(cu, group=group, conv1d_kernel_size=W, layout=layout)
+            rebuilt, piece = emulation_cp.piece_context(fla_ctx), emulation_cp.piece_context(ctx)
+            same = (torch.equal(rebuilt.cu_seqlens, piece.cu_seqlens)
+                    and rebuilt.first_seq_offset == piece.first_seq_offset)
+
+            x, residual = _leaf(case["x"][:, index]), _leaf(case["residual"][:, index])
+            weight, bias = _leaf(case["weight"]), _leaf(case["bias"])
+            y, state = causal_conv1d(x, weight, bias, residual, activation="silu", cu_seqlens=ctx.cu_seqlens,
+                                     cp_context=ctx)
+            (y * case["dy"][:, index]).sum().backward()
+            out = {"fn": dict(y=y.detach(), dx=x.grad, dresidual=residual.grad, dweight=weight.grad, dbias=bias.grad)}
+
+            layer = ShortConvolution(D, W, bias=True, activation="silu", dtype=F64)
+            with torch.no_grad():
+                layer.weight.copy_(case["weight"].unsqueeze(1))
+                layer.bias.copy_(case["bias"])
+            x = _leaf(case["x"][:, index])
+            y, _ = layer(x, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
+            (y * case["dy"][:, index]).sum().backward()
+            out["module"] = dict(y=y.detach(), dx=x.grad, dweight=layer.weight.grad[:, 0], dbias=layer.bias.grad)
+            results[cp_size].append(dict(out=out, state_is_none=state is None, fields=_fields(ctx),
+                                         rebuilt_matches=same))
+    return results
+
+
+def test_cp_conv_matches_single_process(fla_on_cpu, spawn):
+    # one spawn of 4 ranks (importing fla costs seconds per rank): CP 4 over the world, CP 2 over
+    # two subgroups of it
+    from fla.ops.cp.context import get_cp_cu_seqlens
+
+    gen = torch.Generator().manual_seed(100)
+    rand = lambda *shape: torch.randn(*shape, generator=gen, dtype=F64)  # noqa: E731
+    cases_by_cp = {}
+    for cp_size, table in CP_CASES.items():
+        cases_by_cp[cp_size] = []
+        for name, lengths, layout in table:
+            cu = torch.tensor([0] + lengths).cumsum(0)
+            T = int(cu[-1])
+            cases_by_cp[cp_size].append(dict(
+                name=name, cu=cu, layout=layout, x=rand(1, T, D), residual=rand(1, T, D), weight=rand(D, W),
+                bias=rand(D), dy=rand(1, T, D)))
+    world = max(CP_CASES)
+    per_rank = spawn(_run_cp_conv, world, cases_by_cp)
+
+    for cp_size, cases in cases_by_cp.items():
+        for i, case in enumerate(cases):
+            cu, layout, T = case["cu"], case["layout"], int(case["cu"][-1])
+            x, residual, weight, bias = (_leaf(case[k]) for k in ("x", "residual", "weight", "bias"))
+            y_conv = short_conv(x, weight, cu, bias, "silu")
+            ((y_conv + residual) * case["dy"]).sum().backward()
+            expected = {"fn": {"y": (y_conv + residual).detach(), "dx": x.grad, "dresidual": residual.grad,
+                               "dweight": weight.grad, "dbias": bias.grad}}
+            expected["module"] = dict(expected["fn"], y=y_conv.detach())  # no residual through the module
+            order = torch.cat([local_index(T, r, cp_size, layout) for r in range(cp_size)])
+            for first in range(0, world, cp_size):  # each CP group's ranks
+                ranks = range(first, first + cp_size)
+                label = f"cp{cp_size}(ranks {first}-{first + cp_size - 1})/{case['name']}"
+                for op in ("fn", "module"):
+                    got = {}
+                    for key in per_rank[first][cp_size][i]["out"][op]:
+                        pieces = [per_rank[r][cp_size][i]["out"][op][key] for r in ranks]
+                        if key in ("dweight", "dbias"):  # per-rank partial sums over CP
+                            got[key] = torch.stack(pieces).sum(0)
+                        else:
+                            got[key] = torch.empty_like(expected[op][key])
+                            got[key][:, order] = torch.cat(pieces, dim=1)
+                    assert_parity(got, {k: expected[op][k] for k in got}, rtol=RTOL_CP, name=f"{label}/{op}",
+                                  cu_seqlens=cu)
+                for group_rank, r in enumerate(ranks):
+                    result = per_rank[r][cp_size][i]
+                    assert result["state_is_none"] and result["rebuilt_matches"], label
+                    fla_fields = _fields(get_cp_cu_seqlens(cu, world_size=cp_size, rank=group_rank,
+                                                           conv1d_kernel_size=W, layout=layout))
+                    for key, value in fla_fields.items():
+                        got = result["fields"][key]
+                        same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
+                        assert same, f"{label} rank {group_rank}: {key} = {got}, fla computes {value}"

@@ -1,6 +1,6 @@
 """linattn.emulation's conv, norm and cp modules: fla's short convolution, gated norms and CP
 context, against direct float64 formulas and linattn.reference, with gradchecks, the switch's
-swap and restore, refusals, and CP 2/4 over spawn against the single-process result."""
+swap and restore, refusals (CP 2/4: test_emulation_cp.py)."""
 
 import pytest
 import torch
@@ -12,7 +12,6 @@ from pytest_linattn import assert_parity
 
 F64 = torch.float64
 RTOL = 1e-12
-CP_RTOL = 1e-10
 D, W = 3, 4
 CU = torch.tensor([0, 1, 6, 9])  # a length-1 sequence, one longer than W, one shorter
 
@@ -267,149 +266,6 @@ def test_conv_seq_idx_beside_cu_seqlens_is_accepted():
 def test_unsupported_values_raise(call, match):
     with pytest.raises(NotImplementedError, match=match):
         call()
-
-
-# ------------------------------------------------------------------------------------------
-# context parallelism over spawn
-
-# (name, sequence lengths, fla layout) per world size; W=4 needs a halo of 3 tokens
-CP_CASES = {
-    2: [("crossing", [1, 9, 6], "contiguous"), ("zigzag", [3, 10, 3], "zigzag")],
-    4: [("short-pieces", [1, 7], "contiguous"),  # 2 tokens per rank < W-1: the halo spans 2 ranks
-        ("crossing", [5, 22, 1, 4], "contiguous"), ("zigzag", [2, 9, 5], "zigzag")],
-}
-
-
-def _fla_zigzag_index(total, rank, world):
-    part = total // (2 * world)
-    back = 2 * world - 1 - rank
-    return torch.cat([torch.arange(rank * part, (rank + 1) * part), torch.arange(back * part, (back + 1) * part)])
-
-
-def _local_index(total, rank, world, layout):
-    if layout == "zigzag":
-        return _fla_zigzag_index(total, rank, world)
-    local = total // world
-    return torch.arange(rank * local, (rank + 1) * local)
-
-
-def _fields(ctx):
-    names = ("cu_seqlens", "is_last_rank", "pre_num_ranks", "is_first_rank", "post_num_ranks", "conv1d_kernel_size",
-             "pre_num_conv_tokens", "layout", "part_len", "front_num_seqs", "pre_num_ranks_by_part",
-             "post_num_ranks_by_part", "is_first_by_part", "is_last_by_part", "pre_num_conv_tokens_by_part")
-    return {n: getattr(ctx, n) for n in names}
-
-
-def _leaf(t):
-    return t.detach().clone().requires_grad_(True)
-
-
-def _cp_groups(cp_size):
-    """This rank's CP group: the world for CP 4; for CP 2, ranks {0, 1} or {2, 3} (a subgroup,
-    so group-local ranks differ from global ones). Every rank creates every group, in order."""
-    import torch.distributed as dist
-
-    if cp_size == dist.get_world_size():
-        return dist.group.WORLD
-    groups = [dist.new_group(list(range(start, start + cp_size))) for start in range(0, dist.get_world_size(), cp_size)]
-    return groups[dist.get_rank() // cp_size]
-
-
-def _run_cp_conv(cases_by_cp):
-    """On every rank, under fla_on_cpu: fla's causal_conv1d and ShortConvolution with cp_context."""
-    import torch.distributed as dist
-    from fla.modules import ShortConvolution
-    from fla.modules.causal_conv1d.ops import causal_conv1d
-    from fla.ops.cp import build_cp_context
-    from fla.ops.cp.context import get_cp_cu_seqlens
-
-    assert build_cp_context is emulation_cp.PATCHES["fla.ops.cp.context:build_cp_context"]
-    results = {}
-    for cp_size, cases in cases_by_cp.items():
-        group = _cp_groups(cp_size)
-        rank = dist.get_rank(group)
-        results[cp_size] = []
-        for case in cases:
-            cu, layout = case["cu"], case["layout"]
-            index = _local_index(int(cu[-1]), rank, cp_size, layout)
-            ctx = build_cp_context(cu, group, conv1d_kernel_size=W, layout=layout)
-            # a context built by fla's own function: piece_context reassembles the same partition
-            fla_ctx = get_cp_cu_seqlens(cu, group=group, conv1d_kernel_size=W, layout=layout)
-            rebuilt, piece = emulation_cp.piece_context(fla_ctx), emulation_cp.piece_context(ctx)
-            same = (torch.equal(rebuilt.cu_seqlens, piece.cu_seqlens)
-                    and rebuilt.first_seq_offset == piece.first_seq_offset)
-
-            x, residual = _leaf(case["x"][:, index]), _leaf(case["residual"][:, index])
-            weight, bias = _leaf(case["weight"]), _leaf(case["bias"])
-            y, state = causal_conv1d(x, weight, bias, residual, activation="silu", cu_seqlens=ctx.cu_seqlens,
-                                     cp_context=ctx)
-            (y * case["dy"][:, index]).sum().backward()
-            out = {"fn": dict(y=y.detach(), dx=x.grad, dresidual=residual.grad, dweight=weight.grad, dbias=bias.grad)}
-
-            layer = ShortConvolution(D, W, bias=True, activation="silu", dtype=F64)
-            with torch.no_grad():
-                layer.weight.copy_(case["weight"].unsqueeze(1))
-                layer.bias.copy_(case["bias"])
-            x = _leaf(case["x"][:, index])
-            y, _ = layer(x, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
-            (y * case["dy"][:, index]).sum().backward()
-            out["module"] = dict(y=y.detach(), dx=x.grad, dweight=layer.weight.grad[:, 0], dbias=layer.bias.grad)
-            results[cp_size].append(dict(out=out, state_is_none=state is None, fields=_fields(ctx),
-                                         rebuilt_matches=same))
-    return results
-
-
-def test_cp_conv_matches_single_process(fla_on_cpu, spawn):
-    # one spawn of 4 ranks (importing fla costs seconds per rank): CP 4 over the world, CP 2 over
-    # two subgroups of it
-    from fla.ops.cp.context import get_cp_cu_seqlens
-
-    gen = torch.Generator().manual_seed(100)
-    cases_by_cp = {}
-    for cp_size, table in CP_CASES.items():
-        cases_by_cp[cp_size] = []
-        for name, lengths, layout in table:
-            cu = torch.tensor([0] + lengths).cumsum(0)
-            T = int(cu[-1])
-            cases_by_cp[cp_size].append(dict(
-                name=name, cu=cu, layout=layout, x=_randn(gen, 1, T, D), residual=_randn(gen, 1, T, D),
-                weight=_randn(gen, D, W), bias=_randn(gen, D), dy=_randn(gen, 1, T, D)))
-    world = max(CP_CASES)
-    per_rank = spawn(_run_cp_conv, world, cases_by_cp)
-
-    for cp_size, cases in cases_by_cp.items():
-        for i, case in enumerate(cases):
-            cu, layout, T = case["cu"], case["layout"], int(case["cu"][-1])
-            x, residual, weight, bias = (_leaf(case[k]) for k in ("x", "residual", "weight", "bias"))
-            y_conv = short_conv(x, weight, cu, bias, "silu")
-            ((y_conv + residual) * case["dy"]).sum().backward()
-            expected = {"fn": {"y": (y_conv + residual).detach(), "dx": x.grad, "dresidual": residual.grad,
-                               "dweight": weight.grad, "dbias": bias.grad}}
-            expected["module"] = dict(expected["fn"], y=y_conv.detach())  # no residual through the module
-            order = torch.cat([_local_index(T, r, cp_size, layout) for r in range(cp_size)])
-            for first in range(0, world, cp_size):  # each CP group's ranks
-                ranks = range(first, first + cp_size)
-                label = f"cp{cp_size}(ranks {first}-{first + cp_size - 1})/{case['name']}"
-                for op in ("fn", "module"):
-                    got = {}
-                    for key in per_rank[first][cp_size][i]["out"][op]:
-                        pieces = [per_rank[r][cp_size][i]["out"][op][key] for r in ranks]
-                        if key in ("dweight", "dbias"):  # per-rank partial sums over CP
-                            got[key] = torch.stack(pieces).sum(0)
-                        else:
-                            got[key] = torch.empty_like(expected[op][key])
-                            got[key][:, order] = torch.cat(pieces, dim=1)
-                    assert_parity(got, {k: expected[op][k] for k in got}, rtol=CP_RTOL, name=f"{label}/{op}",
-                                  cu_seqlens=cu)
-                for group_rank, r in enumerate(ranks):
-                    result = per_rank[r][cp_size][i]
-                    assert result["state_is_none"] and result["rebuilt_matches"], label
-                    fla_fields = _fields(get_cp_cu_seqlens(cu, world_size=cp_size, rank=group_rank,
-                                                           conv1d_kernel_size=W, layout=layout))
-                    for key, value in fla_fields.items():
-                        got = result["fields"][key]
-                        same = torch.equal(got, value) if isinstance(value, torch.Tensor) else got == value
-                        assert same, f"{label} rank {group_rank}: {key} = {got}, fla computes {value}"
 
 
 @pytest.mark.parametrize("with_state", [True, False], ids=["initial-state", "no-state"])
