@@ -11,6 +11,9 @@ lazily: importing fla costs seconds).
   o_proj row-parallel; o_norm replicated. Its decay gate is computed in the input's dtype (fla's
   layer casts A_log to float32). The reference, `replicated_delta_product`, is the same class on
   one rank; parameter names are fla's, so sharding only slices.
+- `fla_delta_product_state_path()`: the client carrying its conv caches and recurrent state from
+  call to call, sharded by head (the k / v caches' channels step-major, as their conv weights), for
+  `assert_continuation_parity`; TP only (fla takes no state under CP).
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from einops import rearrange
 from fla.layers import GatedDeltaProduct
 from fla.ops.gated_delta_product import chunk_gated_delta_product
 
-from fla_clients import cp_context, reduce_norm_grad, seed_gated_weights
+from fla_clients import (ConvRecurrentState, client_state_path, conv_caches, cp_context, reduce_norm_grad,
+                         refuse_state_under_cp, seed_gated_weights, short_convs)
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -65,12 +69,13 @@ class HeadShardedDeltaProduct(GatedDeltaProduct):
         self.placement, (self.tp_group, self.cp_group) = placement, groups
         self.op_gets_cp_context = op_gets_cp_context
 
-    def forward(self, x, cu_seqlens):
-        # fla's layer's forward in training, with CP on its convs and on the op
+    def forward(self, x, cu_seqlens, state=None, output_final_state=False):
+        # fla's layer's forward in training, with CP on its convs and on the op; with a state
+        # (ConvRecurrentState, TP only) as fla's layer runs with a cache
+        refuse_state_under_cp(self, state, output_final_state)
         x = copy_to_tensor_parallel_region(x, self.tp_group)  # dx summed over the TP ranks' heads
         seq = cp_context(cu_seqlens, self.placement, self.cp_group, self.conv_size)
-        q, k, v = (conv(proj(x), **seq)[0] for proj, conv in
-                   ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d)))
+        (q, k, v), caches = short_convs(self, x, seq, conv_caches(state, output_final_state))
         n = self.num_householder
         q = rearrange(q, "... (h d) -> ... h d", d=self.head_k_dim)
         k = rearrange(k, "... t (n h d) -> ... (t n) h d", n=n, d=self.head_k_dim)
@@ -84,10 +89,13 @@ class HeadShardedDeltaProduct(GatedDeltaProduct):
         op_seq = seq
         if "cp_context" in seq and not self.op_gets_cp_context:  # this rank's piece alone: no state comes in
             op_seq = dict(cu_seqlens=seq["cp_context"].cu_seqlens)
-        o, _ = chunk_gated_delta_product(q=q, k=k, v=v, g=g, beta=beta, num_householder=n,
-                                         use_qk_l2norm_in_kernel=True, **op_seq)
+        o, final = chunk_gated_delta_product(q=q, k=k, v=v, g=g, beta=beta, num_householder=n,
+                                             use_qk_l2norm_in_kernel=True,
+                                             initial_state=None if state is None else state.recurrent,
+                                             output_final_state=output_final_state, **op_seq)
         o = self.o_norm(o, rearrange(self.g_proj(x), "... (h d) -> ... h d", d=self.head_v_dim))
-        return reduce_from_tensor_parallel_region(self.o_proj(rearrange(o, "b t h d -> b t (h d)")), self.tp_group)
+        y = reduce_from_tensor_parallel_region(self.o_proj(rearrange(o, "b t h d -> b t (h d)")), self.tp_group)
+        return (y, ConvRecurrentState(*caches, final)) if output_final_state else y
 
 
 def build_delta_product(placement, groups, dtype, device, op_gets_cp_context=True, sizes=SIZES):
@@ -138,3 +146,23 @@ def fla_delta_product_client(shard_keys=shard_steps, op_gets_cp_context=True, si
                         functools.partial(shard, shard_keys=shard_keys, sizes=sizes),
                         functools.partial(unshard, sizes=sizes),
                         replicated={"o_norm.weight"}, after_backward=reduce_norm_grad)
+
+
+def _shard_cache_steps(t, tp, tp_rank, heads):
+    """A conv cache `[N, D, W]` whose channels are step-major `(step, head, dim)`: this TP rank's
+    heads within every step."""
+    return shard_steps(t.transpose(0, 1), heads, tp, tp_rank).transpose(0, 1)
+
+
+def _unshard_cache_steps(pieces, heads):
+    return unshard_steps([p.transpose(0, 1) for p in pieces], heads).transpose(0, 1)
+
+
+def fla_delta_product_state_path(sizes=SIZES):
+    """The client carrying its state (conv caches, recurrent state) from call to call, sharded by
+    head: the k / v caches' channels step-major as the k / v conv weights."""
+    split = {"conv_q": 1, "conv_k": 1, "conv_v": 1, "recurrent": 1}
+    heads = {"conv_k": sizes["num_heads"], "conv_v": sizes["num_v_heads"]}
+    return client_state_path(fla_delta_product_client(sizes=sizes), split,
+                             sharders={f: functools.partial(_shard_cache_steps, heads=h) for f, h in heads.items()},
+                             unsharders={f: functools.partial(_unshard_cache_steps, heads=h) for f, h in heads.items()})

@@ -15,6 +15,11 @@ importing fla costs seconds, so only the tests that use it pay).
 - `fla_state_path(kind, differentiable=...)`: fla's own layer with fla's Cache (conv caches and
   recurrent state in, out), prefill chunks and decode steps as a serving loop calls them, for
   `assert_continuation_parity`; `fla_cached_forward` is the replicated reference's full forward.
+- What the family clients (delta_product_clients, gdn2_clients, rwkv7_clients, precond_clients)
+  share: table-driven TP shard / unshard of weights and states (`shard_by_table`,
+  `shard_state_by_table`, ...), `short_convs` (with conv caches), `client_state_path` (the client's
+  forward from a state, its state sharded by head; refused under CP: `refuse_state_under_cp`), and
+  `training_setup` (the replicated weights' reduction once per training step, `finalize_grads`).
 """
 
 from __future__ import annotations
@@ -75,6 +80,17 @@ def seed_gated_weights(layer, seed, *, decays=("A_log",), steps=("dt_bias",), sp
             else:
                 p.copy_(x / max(1, p.shape[-1]) ** 0.5)
     return layer
+
+
+def short_convs(layer, x, seq, caches=None):
+    """q, k, v: fla's layer's three projections through its short convs (`seq`: cp_context's
+    words), and with `caches` (a tuple of three, None for an empty cache) the conv caches after the
+    call (else None)."""
+    pairs = ((layer.q_proj, layer.q_conv1d), (layer.k_proj, layer.k_conv1d), (layer.v_proj, layer.v_conv1d))
+    if caches is None:
+        return [conv(proj(x), **seq)[0] for proj, conv in pairs], None
+    out = [conv(proj(x), cache=cache, output_final_state=True, **seq) for (proj, conv), cache in zip(pairs, caches)]
+    return [y for y, _ in out], tuple(cache for _, cache in out)
 
 
 def cp_context(cu_seqlens, placement, cp_group, conv_size, fla_layout=None):
@@ -145,6 +161,32 @@ def reduce_replicated_grads(module, placement, names):
         for name, p in module.named_parameters():
             if name in names:
                 dist.all_reduce(p.grad, group=module.tp_group)
+
+
+def finalize_grads(module, placement, groups, names):
+    """A trainer's finalize step for a family client, once a step's micro-batches are all done:
+    every gradient summed over CP (each CP rank's a partial sum over its tokens), and the
+    TP-replicated weights' in `names` over TP (each TP rank's a partial sum over its heads)."""
+    tp_group, cp_group = groups
+    for name, p in module.named_parameters():
+        if p.grad is not None and cp_group is not None:
+            dist.all_reduce(p.grad, group=cp_group)
+        if p.grad is not None and tp_group is not None and name in names:
+            dist.all_reduce(p.grad, group=tp_group)
+
+
+def training_setup(client, **step):
+    """(the client for the training-step check, its TrainingStep(**step)). The client's
+    `after_backward` all-reduces its replicated weights' accumulated `.grad` after every backward:
+    right for one backward (the parity check), wrong under gradient accumulation, where it
+    reduces earlier micro-batches' part again at every micro-batch. A trainer reduces them once
+    per step: here in `finalize_grads`, with the CP sum."""
+    import dataclasses
+
+    from pytest_linattn import TrainingStep
+
+    return (dataclasses.replace(client, after_backward=None),
+            TrainingStep(finalize_grads=functools.partial(finalize_grads, names=frozenset(client.replicated)), **step))
 
 
 shard_gdn = functools.partial(shard_by_table, split=GDN_SPLIT)
@@ -261,3 +303,77 @@ def fla_state_path(kind, *, differentiable=True, **options):
 
     layer = ShardedLayer(functools.partial(build_fla_cached, kind, options), same_weights, first_rank_grads)
     return StatePath(layer, prefill=fla_prefill, decode=fla_decode, differentiable=differentiable)
+
+
+# ---- the family clients' state path: the client's own forward, its state sharded by head ---------
+
+STATE_UNDER_CP = ("fla 0.6.0 takes no state in or out under CP (its causal_conv1d asserts 'Initial state is not "
+                  "supported for CP', and its chunk ops refuse initial_state / output_final_state with cp_context)")
+
+
+class ConvRecurrentState(NamedTuple):
+    """A client's state, one row per sequence: the q / k / v conv caches `[N, D, W]` and the
+    recurrent state `[N, HV, K, V]` as fla's chunk ops return it."""
+
+    conv_q: torch.Tensor
+    conv_k: torch.Tensor
+    conv_v: torch.Tensor
+    recurrent: torch.Tensor
+
+
+def conv_caches(state, output_final_state):
+    """short_convs' `caches` for a stateful call: the state's three conv caches (empty ones without
+    a state); None for a call without state in or out."""
+    if state is None and not output_final_state:
+        return None
+    return (None,) * 3 if state is None else tuple(state[:3])
+
+
+def refuse_state_under_cp(layer, state, output_final_state):
+    """ValueError for a state in or out on a CP placement (fla has none there)."""
+    if layer.cp_group is not None and (state is not None or output_final_state):
+        raise ValueError(f"{type(layer).__name__}: state / output_final_state at CP {layer.placement.cp} refused: "
+                         f"{STATE_UNDER_CP}; carry state at TP only")
+
+
+def shard_state_by_table(state, placement, tp_rank, split, sharders=None):
+    """A state's TP shard by `split` (field -> the dim its heads lie along, None: replicated);
+    `sharders` (field -> fn(t, tp, tp_rank)) shards a field another way."""
+    sharders = sharders or {}
+    return type(state)(*(t if split[f] is None else sharders.get(f, functools.partial(shard_by_head, dim=split[f]))(
+        t, placement.tp, tp_rank) for f, t in zip(state._fields, state)))
+
+
+def unshard_state_by_table(states, placement, split, unsharders=None):
+    """The TP ranks' states (or state gradients) put back together by `split` (a replicated
+    field's from rank 0); `unsharders` (field -> fn(pieces)) for fields sharded another way."""
+    unsharders = unsharders or {}
+    fields = states[0]._fields
+    out = []
+    for i, f in enumerate(fields):
+        pieces = [s[i] for s in states]
+        out.append(pieces[0] if split[f] is None else
+                   unsharders[f](pieces) if f in unsharders else torch.cat(pieces, split[f]))
+    return type(states[0])(*out)
+
+
+def stateful_call(module, x, cu_seqlens, state, placement):
+    """A prefill call of a family client: its forward from `state`, returning `(y, state)`."""
+    return module(x, cu_seqlens, state, output_final_state=True)
+
+
+def packed_decode(module, x, state, placement, prefill=stateful_call):
+    """One decode step through the client's prefill call: N one-token sequences packed `[1, N, hidden]`."""
+    return prefill(module, x, torch.arange(x.shape[1] + 1, device=x.device), state, placement)
+
+
+def client_state_path(client, split, sharders=None, unsharders=None, prefill=stateful_call):
+    """The harness's StatePath of a family client whose forward takes `(x, cu_seqlens, state,
+    output_final_state)`: prefill chunks and packed decode steps through `prefill` (default that
+    forward: fla's chunk ops and its conv with a cache, differentiable), the state sharded over TP
+    by `split`."""
+    from pytest_linattn import StatePath
+
+    return StatePath(client, prefill=prefill, decode=functools.partial(packed_decode, prefill=prefill),
+                     shard_state=functools.partial(shard_state_by_table, split=split, sharders=sharders),
+                     unshard_state=functools.partial(unshard_state_by_table, split=split, unsharders=unsharders))

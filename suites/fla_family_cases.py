@@ -1,7 +1,8 @@
-"""Parity cases of the fla-op clients of three families (GatedDeltaProduct, GatedDeltaNet2,
-RWKV7Attention: suites/delta_product_clients.py, gdn2_clients.py, rwkv7_clients.py) at head shapes
-fla's Triton kernels take (head dim 64; the clients' own SIZES have head dims 4 to 8, below the
-16 that Triton's dot needs) and four key heads, so TP 4 holds one key head per rank.
+"""Parity cases of the fla-op clients of five families (GatedDeltaProduct, GatedDeltaNet2,
+RWKV7Attention, PrecondGatedDeltaNet, PrecondKDA: suites/delta_product_clients.py, gdn2_clients.py,
+rwkv7_clients.py, precond_clients.py) at head shapes fla's Triton kernels take (head dim 64; the
+clients' own SIZES have head dims 4 to 8, below the 16 that Triton's dot needs) and four key
+heads, so TP 4 holds one key head per rank.
 
 `family_cases(family, ...)`: the client at every PLACEMENTS entry against the same client
 replicated, float64, on the CPU. Weights (fla's layer seeded as the client tests seed it) and the
@@ -10,6 +11,10 @@ its float64 reference read the same values. The reference's forward runs under
 `linattn.emulation.fla_on_cpu` (fla's ops on linattn's float64 references; their backward is
 torch autograd on those references), in the test process only: the ranks run whatever fla ops
 the process has (fla's Triton kernels on a GPU).
+
+The CPU suite's shared cases of the same clients at their own tiny SIZES: `cpu_family(family,
+seed)` (the replicated client and the client), `cpu_state_path(family)` (the client carrying its
+state, and the reference's forward), and the packings CP4_CU, TRAINING_MICRO_BATCHES, STATE_CU.
 
 Imported lazily (it imports fla): importing fla costs seconds.
 """
@@ -32,6 +37,10 @@ SIZES = {
                  allow_neg_eigval=True, norm_eps=1e-5),
     "rwkv7": dict(hidden_size=HIDDEN, head_dim=64, decay_low_rank_dim=32, gate_low_rank_dim=64, a_low_rank_dim=32,
                   v_low_rank_dim=16, norm_eps=1e-5, layer_idx=1, num_hidden_layers=2),
+    "precond_gdn": dict(hidden_size=HIDDEN, head_dim=64, num_heads=4, num_v_heads=8, expand_v=1.0, conv_size=4,
+                        allow_neg_eigval=True, norm_eps=1e-5),
+    "precond_kda": dict(hidden_size=HIDDEN, head_dim=64, num_heads=4, num_v_heads=8, expand_v=1.0, conv_size=4,
+                        allow_neg_eigval=True, norm_eps=1e-5),
 }
 # family -> (module, fla layer, replicated client, client)
 CLIENTS = {
@@ -39,6 +48,17 @@ CLIENTS = {
                       "fla_delta_product_client"),
     "gdn2": ("gdn2_clients", "fla_gdn2_layer", "replicated_gdn2", "fla_gdn2_client"),
     "rwkv7": ("rwkv7_clients", "fla_rwkv7_layer", "replicated_rwkv7", "fla_rwkv7_client"),
+    "precond_gdn": ("precond_clients", "fla_precond_layer", "replicated_precond", "fla_precond_client"),
+    "precond_kda": ("precond_clients", "fla_precond_kda_layer", "replicated_precond_kda", "fla_precond_kda_client"),
+}
+FAMILIES = tuple(CLIENTS)
+# family -> (module, the client carrying its state, the reference's forward for the continuation check or None)
+STATE_PATHS = {
+    "delta_product": ("delta_product_clients", "fla_delta_product_state_path", None),
+    "gdn2": ("gdn2_clients", "fla_gdn2_state_path", None),
+    "rwkv7": ("rwkv7_clients", "fla_rwkv7_state_path", None),
+    "precond_gdn": ("precond_clients", "fla_precond_state_path", "log_atk_call"),
+    "precond_kda": ("precond_clients", "fla_precond_kda_state_path", "log_atk_call"),
 }
 # every placement the clients support on four ranks (no sequence parallelism: the clients' inputs
 # are whole over TP); fla's CP layouts, contiguous and zigzag ("fla-zigzag")
@@ -86,3 +106,29 @@ def family_cases(family: str, *, tokens: int, seed: int, dtype: torch.dtype, rto
     return [ParityCase(client, p, reference, cu, x, dy, rtol, dtype, name=f"fla {family}/{p.name}/seed{seed}",
                        reference_forward=float64_reference_forward)
             for p in placements]
+
+
+# ---- the CPU suite's cases: the clients at their own tiny SIZES, float64, fla's ops emulated --------
+
+# 32 tokens for CP 4 in both of fla's layouts (8 intervals of 4 tokens): a one-token sequence, one
+# across three ranks' contiguous pieces (tokens 1..16) and five intervals, a boundary on an edge
+CP4_CU = [0, 1, 17, 27, 28, 32]
+# two micro-batches of 16 tokens for TP 2 and CP 2: a one-token sequence, sequences across the CP edge
+TRAINING_MICRO_BATCHES = [[0, 1, 9, 16], [0, 5, 16]]
+# the continuation check's sequences: cut into chunks (1, W-1, W tokens, ...) and 2 decode steps each
+STATE_CU = [0, 20, 29, 34]
+
+
+def cpu_family(family: str, seed: int):
+    """(the replicated client, float64, with fla's layer's weights seeded by `seed`; the client) at
+    the client's own SIZES."""
+    module, make_fla_layer, make_replicated, make_client = CLIENTS[family]
+    clients = importlib.import_module(module)
+    return getattr(clients, make_replicated)(getattr(clients, make_fla_layer)(seed)), getattr(clients, make_client)()
+
+
+def cpu_state_path(family: str):
+    """(the client's StatePath, the reference's forward for `assert_continuation_parity` or None)."""
+    module, make_path, forward = STATE_PATHS[family]
+    clients = importlib.import_module(module)
+    return getattr(clients, make_path)(), None if forward is None else getattr(clients, forward)

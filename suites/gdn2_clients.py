@@ -13,6 +13,9 @@ lazily: importing fla costs seconds).
   float32 (`.float()`) before the softplus, so fla's own layer is the client only to ~1e-6.
   The reference, `replicated_gdn2`, is the same class on one rank; parameter names are fla's, so
   sharding only slices.
+- `fla_gdn2_state_path()`: the client carrying its conv caches and recurrent state from call to
+  call (`forward(x, cu_seqlens, state, output_final_state)`, as fla's layer with a cache), sharded
+  by head, for `assert_continuation_parity`; TP only (fla takes no state under CP).
 """
 
 from __future__ import annotations
@@ -24,8 +27,9 @@ from einops import rearrange
 from fla.layers.gdn2 import GatedDeltaNet2
 from fla.ops.gdn2 import chunk_gdn2
 
-from fla_clients import (cp_context, reduce_replicated_grads, seed_gated_weights,
-                         shard_by_head, shard_by_table, unshard_by_table)
+from fla_clients import (ConvRecurrentState, client_state_path, cp_context, reduce_replicated_grads,
+                         conv_caches, refuse_state_under_cp, seed_gated_weights, shard_by_head, shard_by_table,
+                         short_convs, unshard_by_table)
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -66,12 +70,13 @@ class HeadShardedGDN2(GatedDeltaNet2):
         self.placement, (self.tp_group, self.cp_group) = placement, groups
         self.op_gets_cp_context = op_gets_cp_context
 
-    def forward(self, x, cu_seqlens):
-        # fla's layer's forward in training, with CP on its convs and on the op
+    def forward(self, x, cu_seqlens, state=None, output_final_state=False):
+        # fla's layer's forward in training, with CP on its convs and on the op; with a state
+        # (ConvRecurrentState, TP only) as fla's layer runs with a cache
+        refuse_state_under_cp(self, state, output_final_state)
         x = copy_to_tensor_parallel_region(x, self.tp_group)  # dx summed over the TP ranks' heads
         seq = cp_context(cu_seqlens, self.placement, self.cp_group, self.conv_size)
-        q, k, v = (conv(proj(x), **seq)[0] for proj, conv in
-                   ((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d), (self.v_proj, self.v_conv1d)))
+        (q, k, v), caches = short_convs(self, x, seq, conv_caches(state, output_final_state))
         # fla's layer takes f_proj(x).float() and A_log.float() here; the gate stays in x's dtype
         g = F.softplus(self.f_proj(x) + self.dt_bias)
         b, w = self.b_proj(x).sigmoid(), self.w_proj(x).sigmoid()
@@ -85,9 +90,12 @@ class HeadShardedGDN2(GatedDeltaNet2):
         op_seq = seq
         if "cp_context" in seq and not self.op_gets_cp_context:  # this rank's piece alone: no state comes in
             op_seq = dict(cu_seqlens=seq["cp_context"].cu_seqlens)
-        o, _ = chunk_gdn2(q=q, k=k, v=v, g=g, b=b, w=w, use_qk_l2norm_in_kernel=True, **op_seq)
+        o, final = chunk_gdn2(q=q, k=k, v=v, g=g, b=b, w=w, use_qk_l2norm_in_kernel=True,
+                              initial_state=None if state is None else state.recurrent,
+                              output_final_state=output_final_state, **op_seq)
         o = self.o_norm(o, rearrange(self.g_proj(x), "... (h d) -> ... h d", d=self.head_v_dim))
-        return reduce_from_tensor_parallel_region(self.o_proj(rearrange(o, "b t h d -> b t (h d)")), self.tp_group)
+        y = reduce_from_tensor_parallel_region(self.o_proj(rearrange(o, "b t h d -> b t (h d)")), self.tp_group)
+        return (y, ConvRecurrentState(*caches, final)) if output_final_state else y
 
 
 def build_gdn2(placement, groups, dtype, device, op_gets_cp_context=True, sizes=SIZES):
@@ -102,3 +110,12 @@ def fla_gdn2_client(shard_write_gate=shard_by_head, op_gets_cp_context=True, siz
                         functools.partial(shard_by_table, split=SPLIT, sharders={"w_proj.weight": shard_write_gate}),
                         functools.partial(unshard_by_table, split=SPLIT), replicated=REPLICATED,
                         after_backward=functools.partial(reduce_replicated_grads, names=REPLICATED))
+
+
+# the TP split of each state field (ConvRecurrentState): the heads' channels, the value heads' states
+STATE_SPLIT = {"conv_q": 1, "conv_k": 1, "conv_v": 1, "recurrent": 1}
+
+
+def fla_gdn2_state_path(sizes=SIZES):
+    """The client carrying its state (conv caches, recurrent state) from call to call, sharded by head."""
+    return client_state_path(fla_gdn2_client(sizes=sizes), STATE_SPLIT)

@@ -12,12 +12,16 @@ importing fla costs seconds).
   of width 2 with weights (1, -1) and the context, which brings the previous token across the
   rank boundary (and its gradient back). fla's layer computes in the input's dtype throughout
   (no float32 cast on the forward path), so the client's replicated layer equals fla's own.
+- `fla_rwkv7_state_path()`: the client carrying its token-shift cache (the last input token, whole
+  on every TP rank: its gradient is summed over TP inside the forward) and recurrent state (by
+  head) from call to call, for `assert_continuation_parity`; TP only (fla takes no state under CP).
 """
 
 from __future__ import annotations
 
 import functools
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -32,7 +36,7 @@ from fla.ops.rwkv7.fused_k_update import fused_k_rwkv7
 from fla.ops.rwkv7.gate_output_correction import gate_output_correction
 from torch import nn
 
-from fla_clients import cp_context, reduce_replicated_grads
+from fla_clients import client_state_path, cp_context, reduce_replicated_grads, refuse_state_under_cp
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 
@@ -42,6 +46,14 @@ LOG_DECAY_BOUND = -0.6065306597126334  # RWKV-7's w = LOG_DECAY_BOUND * sigmoid(
 REPLICATED = {f"x_{m}" for m in "rwkvag"} | {f"{m}_lora.lora.0.weight" for m in "wvag"}
 HEAD_ROWS = {"r_proj.weight", "k_proj.weight", "v_proj.weight", "k_k", "k_a", "r_k", "g_norm.weight", "g_norm.bias",
              *(f"{m}_lora.lora.2.{p}" for m in "wva" for p in ("weight", "bias")), "g_lora.lora.2.weight"}
+
+
+class ShiftRecurrentState(NamedTuple):
+    """The client's state, one row per sequence: the token shift's cache (the last input token,
+    `[N, hidden]`, whole on every TP rank) and the recurrent state `[N, H, K, V]`."""
+
+    shift: torch.Tensor
+    recurrent: torch.Tensor
 
 
 def fla_rwkv7_layer(seed: int, sizes=SIZES):
@@ -102,16 +114,24 @@ class HeadShardedRWKV7(RWKV7Attention):
         self.g_lora = LoRA(hidden, value_dim, low_rank_dim=self.gate_low_rank_dim, activation="sigmoid", bias=False)
         self.g_norm = nn.GroupNorm(heads, value_dim, eps=self.head_dim * sizes["norm_eps"], affine=True)
 
-    def forward(self, x, cu_seqlens):
-        # fla's layer's forward in training (layer_idx 1, fuse_norm off), with CP on the shift and the op
+    def forward(self, x, cu_seqlens, state=None, output_final_state=False):
+        # fla's layer's forward in training (layer_idx 1, fuse_norm off), with CP on the shift and the
+        # op; with a state (ShiftRecurrentState, TP only) as fla's layer runs with a cache
+        refuse_state_under_cp(self, state, output_final_state)
         tp_rank = 0 if self.tp_group is None else dist.get_rank(self.tp_group)
+        shift_out = None
+        if output_final_state:  # each sequence's last input token, from x before the TP copy: its
+            # cotangent is whole on every TP rank and must not be summed over them
+            _, shift_out = token_shift(x, cu_seqlens.long(), cache=None if state is None else state.shift,
+                                       output_cache=True)
         x = copy_to_tensor_parallel_region(x, self.tp_group)  # dx summed over the TP ranks' heads
         seq = cp_context(cu_seqlens, self.placement, self.cp_group, conv_size=2)
         if "cp_context" in seq:  # the previous token, across the rank boundary where a sequence crosses it
             shift = torch.tensor([1.0, -1.0], dtype=x.dtype, device=x.device).expand(x.shape[-1], 2)
             delta = causal_conv1d(x, weight=shift, **seq)[0]
-        else:
-            delta = token_shift(x, seq["cu_seqlens"])
+        else:  # the cache's gradient, a partial sum over this rank's heads, summed over TP as x's
+            cache = None if state is None else copy_to_tensor_parallel_region(state.shift, self.tp_group)
+            delta = token_shift(x, seq["cu_seqlens"], cache=cache)
         xr, xw, xk, xv, xa, xg = fused_addcmul_rwkv7(x, delta, self.x_r, self.x_w, self.x_k, self.x_v, self.x_a,
                                                      self.x_g)
         r = self.r_proj(xr)
@@ -127,12 +147,15 @@ class HeadShardedRWKV7(RWKV7Attention):
         op_seq = seq
         if "cp_context" in seq and not self.op_gets_cp_context:  # this rank's piece alone: no state comes in
             op_seq = dict(cu_seqlens=seq["cp_context"].cu_seqlens)
-        o, _ = chunk_rwkv7(r=r, w=w, k=k, v=v, a=-kk, b=kk * a, scale=1.0, safe_gate=True,
-                           lower_bound=LOG_DECAY_BOUND, chunk_size=64, **op_seq)
+        o, final = chunk_rwkv7(r=r, w=w, k=k, v=v, a=-kk, b=kk * a, scale=1.0, safe_gate=True,
+                               lower_bound=LOG_DECAY_BOUND, chunk_size=64,
+                               initial_state=None if state is None else state.recurrent,
+                               output_final_state=output_final_state, **op_seq)
         B, T = x.shape[:2]
         o = self.g_norm(rearrange(o, "b t h d -> (b t) (h d)")).view(B, T, -1)
         o = gate_output_correction(o, r, k, self.r_k, v, g)
-        return reduce_from_tensor_parallel_region(self.o_proj(o), self.tp_group)
+        y = reduce_from_tensor_parallel_region(self.o_proj(o), self.tp_group)
+        return (y, ShiftRecurrentState(shift_out, final)) if output_final_state else y
 
 
 def build_rwkv7(placement, groups, dtype, device, op_gets_cp_context=True, sizes=SIZES):
@@ -178,3 +201,8 @@ def fla_rwkv7_client(shard_lora=head_block, op_gets_cp_context=True, sizes=SIZES
                         functools.partial(shard, shard_lora=shard_lora), unshard,
                         replicated=REPLICATED,
                         after_backward=functools.partial(reduce_replicated_grads, names=REPLICATED))
+
+
+def fla_rwkv7_state_path(sizes=SIZES):
+    """The client carrying its state (the shift cache, replicated; the recurrent state by head) from call to call."""
+    return client_state_path(fla_rwkv7_client(sizes=sizes), {"shift": None, "recurrent": 1})
