@@ -38,19 +38,20 @@ class FlaPoolKDA(KimiDeltaAttention):
     """linattn's KDA layer, its recurrence on fla's chunk_kda (prefill) and
     fused_recurrent_kda_fwd (a decode step on a pool, `pool_step`)."""
 
-    pool_call = None  # during pool_step: (the recurrent pool, ssm_state_indices, the rows' cu_seqlens)
+    # during a pool call: (the recurrent pool, ssm_state_indices, the rows' cu_seqlens, num_accepted_tokens or None)
+    pool_call = None
 
     def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
         if carry is None or cp_context is not None:
             raise ValueError("FlaPoolKDA serves with a state: no CP, a state in and out")
         scale = self.config.head_k_dim ** -0.5
         if self.pool_call is not None:
-            pool, indices, rows_cu = self.pool_call
+            pool, indices, rows_cu, accepted = self.pool_call
             # q, k, v are views of one conv output; this entry (no input_guard) reads them as contiguous
             q, k, v, g, beta = (t.contiguous() for t in (q, k, v, g, beta))
             o, _ = fused_recurrent_kda_fwd(q, k, v, g, beta, scale=scale, initial_state=pool,
                                            inplace_final_state=True, ssm_state_indices=indices, cu_seqlens=rows_cu,
-                                           use_qk_l2norm_in_kernel=True, **gate)
+                                           num_accepted_tokens=accepted, use_qk_l2norm_in_kernel=True, **gate)
             return o
         state = carry.initial_recurrent
         if state.dtype != torch.float64:  # fla's chunk_kda takes float32 states
@@ -66,7 +67,7 @@ class FlaPoolKDA(KimiDeltaAttention):
         B = x.shape[1]
         rows_cu = torch.tensor([min(n, num_valid) for n in range(B + 1)], dtype=torch.long, device=x.device)
         placeholder = pool.new_zeros((B,) + tuple(pool.shape[1:]))  # step checks it; the pool is read instead
-        self.pool_call = (pool, slots, rows_cu)
+        self.pool_call = (pool, slots, rows_cu, None)
         try:
             y, new = self.step(x, LayerState(conv, placeholder))
         finally:

@@ -1,6 +1,7 @@
 """transformers' linear-attention layers as padded-batch clients of
-`pytest_linattn.harness.assert_padded_continuation_parity`: Qwen3-Next's `Qwen3NextGatedDeltaNet`
-and Qwen3.5's `Qwen3_5GatedDeltaNet`, one rank (TP 1), with transformers' own cache.
+`pytest_linattn.harness.assert_padded_continuation_parity`: Qwen3-Next's `Qwen3NextGatedDeltaNet`,
+Qwen3.5's `Qwen3_5GatedDeltaNet` and Kimi Linear's `KimiLinearDeltaAttention` (KDA), one rank
+(TP 1), with transformers' own cache.
 
 Each call runs the layer as the model runs it: `layer(x, cache_params=cache,
 attention_mask=create_recurrent_attention_mask(config, x, mask))` (transformers' mask for the
@@ -28,12 +29,16 @@ from pytest_linattn.harness.cases import ShardedLayer
 
 __all__ = ["HF_PADDED_FAMILIES", "HFState", "hf_config", "hf_padded_forward", "hf_padded_path", "hf_reference"]
 
-HF_PADDED_FAMILIES = ("qwen3_next", "qwen3_5")
+HF_PADDED_FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear")
 
 # the CPU suites' tiny GDN layer (layer_parity.make_config's sizes): 4 key heads, 8 value heads
 GDN_SIZES = dict(hidden_size=20, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
                  linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
                  layer_types=["linear_attention"], rms_norm_eps=1e-5)
+# Kimi Linear's KDA layer of the same scale: 4 heads of 8 (its key and value heads are one), a
+# low-rank output gate of rank 8 (transformers' g_a_proj / g_b_proj)
+KDA_SIZES = dict(hidden_size=20, linear_num_heads=4, linear_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                 layer_types=["linear_attention"], mlp_layer_types=["dense"], rms_norm_eps=1e-5)
 
 
 def hf_config(family: str):
@@ -46,6 +51,10 @@ def hf_config(family: str):
         from transformers import Qwen3_5TextConfig
 
         return Qwen3_5TextConfig(**GDN_SIZES)
+    if family == "kimi_linear":
+        from transformers import KimiLinearConfig
+
+        return KimiLinearConfig(**KDA_SIZES)
     raise ValueError(f"family must be one of {HF_PADDED_FAMILIES}, got {family!r}")
 
 
@@ -54,6 +63,10 @@ def _layer_class(family):
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet
 
         return Qwen3NextGatedDeltaNet
+    if family == "kimi_linear":
+        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+        return KimiLinearDeltaAttention
     from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5GatedDeltaNet
 
     return Qwen3_5GatedDeltaNet

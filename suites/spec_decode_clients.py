@@ -6,10 +6,16 @@ the slot (vLLM's and fla's `num_accepted_tokens` interface: per-token states, no
 `linattn_spec_path(config, verify=..., accept=...)`: the harness's SpecDecodePath for a config;
 a planted bug replaces prefill, verify or accept (module-level functions: spawn pickles them by
 reference).
+
+vLLM's layout (`linattn_row_spec_path`, and `fla_spec_decode_clients` on fla's kernel): a row of
+1 + K slots per sequence, a verify call of the sequence's next token and K drafts writing its
+state after token t to the row's column t, accept keeping only num_accepted_tokens (the next call
+starts from column num_accepted_tokens - 1: nothing is copied back).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -19,7 +25,8 @@ from linattn.layers import LayerState
 from pytest_linattn.harness import SpecDecodePath
 from state_pool_clients import _shard, _unshard, pool_prefill
 
-__all__ = ["linattn_spec_path", "pool_accept", "pool_verify", "verify_states"]
+__all__ = ["current_slots", "linattn_row_spec_path", "linattn_spec_path", "num_accepted", "pool_accept", "pool_verify",
+           "row_accept", "row_prefill", "row_prefill_slots", "row_state", "row_verify", "verify_states"]
 
 
 def verify_states(module, x, cu_seqlens, state):
@@ -56,3 +63,60 @@ def linattn_spec_path(config, prefill=pool_prefill, verify=pool_verify, accept=p
     return SpecDecodePath(linattn_layer(config), prefill=prefill, verify=verify, accept=accept,
                           shard_state=functools.partial(_shard, config),
                           unshard_state=functools.partial(_unshard, config))
+
+
+# ---- vLLM's layout: a row of slots per sequence, the state after every token in a slot ----
+
+def num_accepted(module, pool, slots):
+    """Each row's num_accepted_tokens of its last verify call (kept on the module by the row's
+    first slot, as an engine keeps it per request for the next step); 1 for a row never verified."""
+    if getattr(module, "accepted", None) is None:
+        module.accepted = torch.ones(pool[0].shape[0], dtype=torch.long, device=slots.device)
+    return module.accepted[slots[:, 0]]
+
+
+def current_slots(slots, accepted):
+    """Each row's slot at column accepted - 1: where its sequence's state is."""
+    return slots.gather(1, (accepted - 1).unsqueeze(1)).squeeze(1)
+
+
+def row_prefill_slots(module, pool, slots, fresh):
+    """The slot each row's prefill reads and writes: its current one; a fresh sequence's row
+    starts over at column 0."""
+    accepted = torch.where(fresh, 1, num_accepted(module, pool, slots))
+    module.accepted[slots[:, 0]] = accepted
+    return current_slots(slots, accepted)
+
+
+def row_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
+    """The slot-pool prefill on each row's current slot."""
+    return pool_prefill(module, x, cu_seqlens, pool, row_prefill_slots(module, pool, slots, fresh), fresh, placement)
+
+
+def row_verify(module, x, cu_seqlens, pool, slots, placement):
+    """Every token from the row's current slot; the state after token t written to column t."""
+    start = current_slots(slots, num_accepted(module, pool, slots))
+    y, states = verify_states(module, x, cu_seqlens, LayerState(*(f[start] for f in pool)))
+    for f, kept in zip(pool, states):
+        f[slots] = kept[1:].transpose(0, 1)
+    return y
+
+
+def row_accept(module, pool, slots, num_accepted_tokens, placement):
+    """Nothing moves: the next call starts from column num_accepted_tokens - 1."""
+    num_accepted(module, pool, slots)
+    module.accepted[slots[:, 0]] = num_accepted_tokens
+
+
+def row_state(module, pool, slots, placement):
+    """Each sequence's state: its row's slot at column num_accepted_tokens - 1."""
+    current = current_slots(slots, num_accepted(module, pool, slots))
+    return LayerState(*(f[current] for f in pool))
+
+
+def linattn_row_spec_path(config, num_draft, prefill=row_prefill, verify=row_verify,
+                          accept=row_accept) -> SpecDecodePath:
+    """linattn's layer in vLLM's layout: a bonus token and num_draft drafts per verify call, a row
+    of 1 + num_draft slots per sequence."""
+    return dataclasses.replace(linattn_spec_path(config, prefill, verify, accept), bonus_token=True,
+                               slots_per_sequence=1 + num_draft, read_state=row_state)

@@ -14,7 +14,7 @@ from linattn.checks import positive_int
 
 from .continuation_rank import Call
 
-__all__ = ["SequencePlan", "describe_token", "plan_cuts", "schedule", "token_calls"]
+__all__ = ["SequencePlan", "cp_filler", "describe_token", "plan_cuts", "schedule", "token_calls"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,12 +84,9 @@ def schedule(plans, bounds, cp, hidden_size, probe, gen) -> list[Call]:
                 sequences.append(n)
                 tokens.append(torch.arange(start, start + pl.chunks[k]))
                 lengths.append(pl.chunks[k])
-        pad = -sum(lengths) % cp
-        filler = None
-        if pad:
-            filler = (torch.randn(1, pad, hidden_size, generator=gen, dtype=torch.float64),
-                      [torch.randn((1,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64) for t in probe])
-            lengths.append(pad)
+        filler = cp_filler(sum(lengths), cp, hidden_size, gen, probe)
+        if filler is not None:
+            lengths.append(filler[0].shape[1])
         cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
         calls.append(Call("prefill", k, tuple(sequences), torch.cat(tokens), cu, filler))
     for j in range(max(pl.decode for pl in plans)):
@@ -97,6 +94,22 @@ def schedule(plans, bounds, cp, hidden_size, probe, gen) -> list[Call]:
         tokens = torch.tensor([bounds[n + 1] - plans[n].decode + j for n in sequences])
         calls.append(Call("decode", j, sequences, tokens, None, None))
     return calls
+
+
+def cp_filler(num_tokens, cp, hidden_size, gen, probe=None):
+    """The filler sequence that pads a prefill call of `num_tokens` tokens to a multiple of cp
+    (every CP rank holds num_tokens / cp of them, `continuation_rank.cp_share`): its input `[1,
+    pad, hidden]` and, given `probe` (a state, one row per sequence), its initial state `[1, ...]`
+    per field (None without one); both random (from `gen`), its results unchecked. None when
+    num_tokens divides by cp already. The continuation check, the state-pool mode, speculative
+    decoding and padded batches pad their prefill calls with it."""
+    pad = -num_tokens % cp
+    if not pad:
+        return None
+    x = torch.randn(1, pad, hidden_size, generator=gen, dtype=torch.float64)
+    state = None if probe is None else [torch.randn((1,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64)
+                                        for t in probe]
+    return x, state
 
 
 def token_calls(calls, T) -> list:

@@ -14,8 +14,8 @@ from .cases import DECODE_LAYOUTS, StatePath
 from .placement import Placement
 from .sharded_parity_rank import load_shard, run_device
 
-__all__ = ["Call", "RankContinuation", "decode_in_layout", "default_decode", "default_prefill",
-           "run_continuation_on_rank"]
+__all__ = ["Call", "RankContinuation", "cp_share", "decode_in_layout", "default_decode", "default_prefill",
+           "rank_coordinates", "run_continuation_on_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +71,29 @@ def decode_in_layout(decode, module, x, state, placement, layout):
     return (y.transpose(0, 1) if batched else y), new
 
 
+def rank_coordinates(placement: Placement) -> tuple[int, int]:
+    """(tp_rank, cp_rank) of this process in `placement` (global rank = tp_rank + tp * cp_rank, the
+    order of `placement`'s module docstring)."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    return rank % placement.tp, rank // placement.tp % placement.cp
+
+
+def cp_share(num_tokens: int, num_real: int, cp: int, cp_rank: int) -> tuple[slice, torch.Tensor]:
+    """What CP rank `cp_rank` holds of a prefill call of `num_tokens` packed tokens (a multiple of
+    cp: the call's `num_real` own tokens, then a filler's, `continuation_plans.cp_filler`): the
+    slice of one contiguous piece of num_tokens / cp tokens, and which of them are the call's own
+    (`[num_tokens / cp]` bool). The state path's checks split every prefill call so; their decode
+    steps run whole on every rank."""
+    if num_tokens % cp:
+        raise ValueError(f"a prefill call under CP must hold a multiple of cp={cp} tokens (a filler pads it), "
+                         f"got {num_tokens}")
+    n_local = num_tokens // cp
+    piece = slice(cp_rank * n_local, (cp_rank + 1) * n_local)
+    return piece, torch.arange(num_tokens)[piece] < num_real
+
+
 def _rebuild(like, fields):
     return type(like)(*fields) if hasattr(like, "_fields") else type(like)(fields)
 
@@ -78,11 +101,8 @@ def _rebuild(like, fields):
 def run_continuation_on_rank(case: RankContinuation) -> dict:
     """Rank function (for spawn): this rank's outputs, input gradients, final states and
     initial-state gradients, with masks of the tokens it holds."""
-    import torch.distributed as dist
-
     p, path, device = case.placement, case.path, run_device()
-    rank = dist.get_rank()
-    tp_rank, cp_rank = rank % p.tp, rank // p.tp % p.cp
+    tp_rank, cp_rank = rank_coordinates(p)
     groups = path.layer.process_groups(p)
     module = path.layer.build(p, groups, case.dtype, device)
     if path.layer.shard is not None:
@@ -121,12 +141,9 @@ def run_continuation_on_rank(case: RankContinuation) -> dict:
                 x_call = x[:, tokens]
                 if call.filler is not None:
                     x_call = torch.cat([x_call, call.filler[0].to(device, case.dtype)], dim=1)
-                n_local = x_call.shape[1] // p.cp
-                piece = slice(cp_rank * n_local, (cp_rank + 1) * n_local)
+                piece, own = cp_share(x_call.shape[1], tokens.numel(), p.cp, cp_rank)
                 y, new = prefill(module, x_call[:, piece], call.cu_seqlens.to(device), state, p)
-                held = torch.arange(x_call.shape[1])[piece]
-                keep = held < tokens.numel()  # the filler's tokens are not the batch's
-                y, held = y[:, keep.to(y.device)], tokens[held[keep]]
+                y, held = y[:, own.to(y.device)], tokens[torch.arange(x_call.shape[1])[piece][own]]
             y_out[:, held] = y.detach().cpu().to(case.dtype)
             held_here[held] = True
             runs.append((call.sequences, leaves, y, dy[:, held], list(new), call.kind == "prefill"))

@@ -11,7 +11,7 @@ import torch
 from ..parity import assert_parity
 from .continuation_plans import describe_token, token_calls
 
-__all__ = ["CP_GRADIENT_RULE", "check_placement", "field_names"]
+__all__ = ["CP_GRADIENT_RULE", "check_placement", "cp_view", "field_names"]
 
 CP_GRADIENT_RULE = (
     "the CP gradient rule: a prefill call's final states take a gradient that is whole on every CP rank (each "
@@ -24,6 +24,20 @@ CP_GRADIENT_RULE = (
 
 def field_names(state) -> list[str]:
     return list(state._fields) if hasattr(state, "_fields") else [f"state[{i}]" for i in range(len(state))]
+
+
+def cp_view(results, what, p, tp_rank, cp_rank) -> torch.Tensor:
+    """A per-token result `what` (`[1, T, ...]` on every rank) as TP rank `tp_rank` on CP rank
+    `cp_rank` sees it, in float64: a prefill call's tokens from the CP rank that held them, a decoded
+    token (every CP rank runs the whole decode step) from CP rank `cp_rank`; NaN where no rank ran
+    the token. results: per global rank a dict with `what`, 'held' and 'decoded' (`[T]` bool)."""
+    tp, cp = p.tp, p.cp
+    full = torch.full(tuple(results[tp_rank][what].shape), math.nan, dtype=torch.float64)
+    for c in range(cp):
+        r = results[tp_rank + tp * c]
+        mine = r["held"] & ~r["decoded"] if c != cp_rank else r["held"]
+        full[:, mine] = r[what][:, mine].double()
+    return full
 
 
 def _per_token_error(actual, expected):
@@ -97,18 +111,8 @@ def check_placement(label, p, plans, bounds, calls, results, expected, path, rto
             failures.append(str(exc))
             failed.add(kind)
 
-    def tokens(what, ref, t, c):
-        """The batch's tokens as rank (t, c) sees them: prefill tokens from the CP rank holding
-        them, decoded ones from CP rank c (every CP rank decodes the whole batch)."""
-        full = torch.full(tuple(ref.shape), math.nan, dtype=torch.float64)
-        for c2 in range(cp):
-            r = results[t + tp * c2]
-            mine = r["held"] & ~r["decoded"] if c2 != c else r["held"]
-            full[:, mine] = r[what][:, mine].double()
-        return full
-
     def check_tokens(what, ref, t, c):
-        full = tokens(what, ref, t, c)
+        full = cp_view(results, what, p, t, c)
         where = "".join([f" tp_rank{t}" if tp > 1 else "", f" (decoded on cp_rank{c})" if cp > 1 else ""])
         try:
             assert_parity(full, ref, rtol=rtol, name=f"{label} {'output' if what == 'y' else what}{where}",

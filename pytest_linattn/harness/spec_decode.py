@@ -11,13 +11,28 @@ computes all K tokens from the slot's state; its accept then gets `num_accepted_
 must leave each slot holding the state after the sequence's j-th accepted token (j = 0: the state
 before the call), as vLLM's and fla's `num_accepted_tokens` interface does.
 
+Two options of the path serve a vLLM-like client, whose kernel keeps the rollback itself.
+`bonus_token`: every verify call starts with the sequence's next token, always accepted (the token
+the previous step sampled), so a call runs 1 + K tokens and accept gets 1 + j: fla's and vLLM's
+kernels read column `num_accepted_tokens - 1`, never before the row. `slots_per_sequence` S > 1:
+each sequence holds a row of S slots (column c of sequence n in slot 1 + c*N + N-1-n), the kernel
+writes every token's state to a slot of the row, and the path's `read_state` says where each
+sequence's state is after a call (vLLM: column num_accepted_tokens - 1); nothing is copied back.
+
 The reference is the float64 serial run of the replicated layer: every sequence token by token
 from zero states, its output and state after every token. After every call, every token's output
 (a draft's: the reference's from the serial state before it) and every scheduled slot's state
 must match it within rtol (relative error per sequence and field); every slot the call did not
 schedule must be bitwise unchanged. A rejected draft leaves no trace: the slot after the call and
 every later output show it if it does. A failure names the call, the slot, the sequence and the
-token. TP placements only; no gradients (serving). This module imports no pytest.
+token. No gradients (serving).
+
+Under CP (contiguous layout, no sequence parallel) the pool is replicated over the CP ranks and a
+prefill call's tokens are split in contiguous pieces over them, as in the state-pool mode (a
+filler sequence, fresh, in a scratch slot after the others where they do not divide by cp); a
+verify call and its accept run whole on every rank (the layer's decode step). Every rank's slots
+are checked; a prefill token's output on the CP rank that held it, a verify call's on every CP
+rank. This module imports no pytest.
 """
 
 from __future__ import annotations
@@ -33,9 +48,10 @@ from linattn.checks import positive_int
 
 from ..parity import check_rtol
 from .cases import ShardedLayer
-from .continuation_report import field_names
+from .continuation_report import cp_view, field_names
 from .placement import Placement
 from .spec_decode_rank import RankSpec, SpecCall, run_spec_on_rank
+from .state_pool import check_pool_placements, describe_fillers, rank_note, with_cp_fillers
 
 __all__ = ["SpecDecodePath", "SpecPlan", "assert_spec_decode_parity", "serial_run", "spec_schedule"]
 
@@ -71,15 +87,21 @@ class SpecDecodePath:
     `assert_spec_decode_parity`. Callables module-level (spawn pickles them by reference). A pool
     is a tuple of tensors (the state's fields), each `[P, ...]`, in the TP rank's layout.
 
-    prefill(module, x, cu_seqlens, pool, slots, fresh, placement) -> y: as StatePoolPath's.
+    prefill(module, x, cu_seqlens, pool, slots, fresh, placement) -> y: as StatePoolPath's (under
+        CP: this CP rank's piece of the call's tokens, the rest whole).
     verify(module, x, cu_seqlens, pool, slots, placement) -> y
-        K tokens of each of N sequences, packed `[1, N*K, hidden]` (cu_seqlens every K), each from
-        its slot's state; returns every token's output. It may keep what accept needs (per-token
-        states, on the module or in spare slots) but must change no slot other than `slots`.
+        K tokens (1 + K with bonus_token) of each of N sequences, packed `[1, N*K, hidden]`
+        (cu_seqlens every K), each from its slot's state; returns every token's output. It may
+        keep what accept needs (per-token states, on the module or in spare slots) but must
+        change no slot other than `slots`.
     accept(module, pool, slots, num_accepted_tokens, placement) -> None
-        num_accepted_tokens `[N]` int64 in 0..K: leave each slot holding the state after its
-        sequence's first j tokens of the last verify call.
+        num_accepted_tokens `[N]` int64 in 0..K (1..K+1 with bonus_token): leave each slot holding
+        the state after its sequence's first num_accepted_tokens tokens of the last verify call.
     shard_state(state, placement, tp_rank), unshard_state(states, placement): as StatePath's.
+    bonus_token: each verify call runs the sequence's next token, always accepted, then K drafts.
+    slots_per_sequence: S; with S > 1 `slots` is `[N, S]` (each sequence's row of slots) in every
+        call, and read_state(module, pool, slots, placement) -> the sequences' states (the
+        pool's type, fields `[N, ...]`): where each one continues from after the call.
     """
 
     layer: ShardedLayer
@@ -88,10 +110,19 @@ class SpecDecodePath:
     accept: Callable
     shard_state: Callable | None = None
     unshard_state: Callable | None = None
+    bonus_token: bool = False
+    slots_per_sequence: int = 1
+    read_state: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
             raise ValueError(f"SpecDecodePath.layer must be a ShardedLayer, got {type(self.layer).__name__}")
+        if not isinstance(self.bonus_token, bool):
+            raise ValueError(f"SpecDecodePath.bonus_token must be a bool, got {self.bonus_token!r}")
+        positive_int(self.slots_per_sequence, "SpecDecodePath.slots_per_sequence")
+        if self.slots_per_sequence > 1 and not callable(self.read_state):
+            raise ValueError(f"SpecDecodePath.read_state must be callable with slots_per_sequence > 1 (where each "
+                             f"sequence's state is in its row of slots), got {self.read_state!r}")
         for field in ("prefill", "verify", "accept"):
             if not callable(getattr(self, field)):
                 raise ValueError(f"SpecDecodePath.{field} must be callable, got {getattr(self, field)!r}")
@@ -109,7 +140,7 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
                               placements: Sequence[Placement], plans: Sequence[SpecPlan], *, num_draft: int,
                               hidden_size: int, seed: int, rtol: float, dtype: torch.dtype = torch.float64,
                               reference_forward: Callable | None = None, name: str = "") -> None:
-    """The client's verify-and-accept path at every TP placement against the float64 serial run
+    """The client's verify-and-accept path at every placement (TP, CP, TP x CP) against the float64 serial run
     of `reference` (the module docstring). num_draft: K, the drafts of every verify call.
     reference_forward(reference, x, cu_seqlens, state) -> (y, final_state), as the continuation
     check's (state None: zeros). AssertionError naming the call, slot, sequence and token."""
@@ -125,18 +156,10 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     for n, pl in enumerate(plans):
         if any(j > num_draft for j in pl.accepted):
             raise ValueError(f"plans[{n}].accepted must lie in 0..num_draft ({num_draft}), got {list(pl.accepted)}")
-    placements = list(placements)
-    if not placements:
-        raise ValueError("placements must be a non-empty sequence of Placement")
-    for p in placements:
-        if not isinstance(p, Placement) or p.cp > 1 or p.sequence_parallel:
-            raise ValueError(f"placements must be TP-only Placements (the spec-decode mode runs no CP or SP), "
-                             f"got {p!r}")
-        if p.tp > 1 and path.shard_state is None:
-            raise ValueError(f"placement {p.name}: tp > 1 needs SpecDecodePath.shard_state and unshard_state")
+    placements = check_pool_placements(placements, path, "the spec-decode mode")
 
     gen = torch.Generator().manual_seed(seed)
-    lengths = [pl.length for pl in plans]
+    lengths = [pl.length + (len(pl.accepted) if path.bonus_token else 0) for pl in plans]
     bounds = [0]
     for length in lengths:
         bounds.append(bounds[-1] + length)
@@ -144,18 +167,25 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
     serial_y, serial_states = serial_run(forward, reference, x, bounds)
     N = len(plans)
-    fields = [torch.randn((N + 1,) + tuple(t.shape[2:]), generator=gen, dtype=torch.float64) for t in serial_states]
+    S = path.slots_per_sequence
+    # under CP, slots after the others for the fillers (a row of S like a sequence's)
+    scratch = (N * S + 1 if S == 1 else tuple(range(N * S + 1, N * S + 1 + S))) \
+        if any(p.cp > 1 for p in placements) else None
+    fields = [torch.randn((N * S + 1 + (S if scratch is not None else 0),) + tuple(t.shape[2:]), generator=gen,
+                          dtype=torch.float64) for t in serial_states]
     probe = serial_states
     pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
-    calls = spec_schedule(plans, bounds, x, num_draft, gen)
+    calls = spec_schedule(plans, bounds, x, num_draft, gen, bonus_token=path.bonus_token,
+                          slots_per_sequence=path.slots_per_sequence)
     expected = [_expected(forward, reference, call, bounds, serial_y, serial_states, probe) for call in calls]
     label = f"{name}/" if name else ""
     reports = []
     for p in placements:
-        case = RankSpec(path, p, {k: t.detach() for k, t in reference.named_parameters()}, pool, calls, dtype,
+        placed = with_cp_fillers(calls, p.cp, hidden_size, gen, scratch) if p.cp > 1 else calls
+        case = RankSpec(path, p, {k: t.detach() for k, t in reference.named_parameters()}, pool, placed, dtype,
                         field_names(probe))
         results = spawn(run_spec_on_rank, p.size, case)
-        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, calls, expected, results, rtol, num_draft,
+        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, placed, expected, results, rtol, num_draft,
                         field_names(probe))
         if report:
             reports.append(report)
@@ -190,10 +220,12 @@ def serial_run(forward, reference, x, bounds):
     return y, _rebuild(rows, states)
 
 
-def spec_schedule(plans, bounds, x, num_draft, gen) -> list[SpecCall]:
-    """The calls in order (module docstring): the prefill calls, then the verify rounds."""
-    N, K = len(plans), num_draft
-    slot = {n: N - n for n in range(N)}
+def spec_schedule(plans, bounds, x, num_draft, gen, *, bonus_token=False, slots_per_sequence=1) -> list[SpecCall]:
+    """The calls in order (module docstring): the prefill calls, then the verify rounds. With
+    slots_per_sequence S > 1 a call's slots are rows of S slots; with bonus_token a verify call's
+    `accepted` counts the bonus token (1 + j)."""
+    N, K, b, S = len(plans), num_draft, int(bonus_token), slots_per_sequence
+    slot = {n: N - n if S == 1 else tuple(1 + c * N + N - 1 - n for c in range(S)) for n in range(N)}
     consumed, calls = [0] * N, []
     for k in range(max(len(pl.chunks) for pl in plans)):
         seqs = [n for n in range(N) if k < len(plans[n].chunks)]
@@ -209,12 +241,12 @@ def spec_schedule(plans, bounds, x, num_draft, gen) -> list[SpecCall]:
         for n in seqs:
             j = plans[n].accepted[r]
             start = bounds[n] + consumed[n]
-            parts += [x[:, start:start + j], torch.randn(1, K - j, x.shape[2], generator=gen, dtype=torch.float64)]
+            parts += [x[:, start:start + b + j], torch.randn(1, K - j, x.shape[2], generator=gen, dtype=torch.float64)]
         calls.append(SpecCall("verify", r, tuple(seqs), tuple(slot[n] for n in seqs), torch.cat(parts, dim=1),
-                              _cu([K] * len(seqs)), None, tuple(plans[n].accepted[r] for n in seqs),
+                              _cu([b + K] * len(seqs)), None, tuple(b + plans[n].accepted[r] for n in seqs),
                               tuple(consumed[n] for n in seqs)))
         for n in seqs:
-            consumed[n] += plans[n].accepted[r]
+            consumed[n] += b + plans[n].accepted[r]
     return calls
 
 
@@ -246,8 +278,14 @@ def _describe_call(i, call, K) -> str:
     if call.kind == "prefill":
         return (f"call {i} (prefill chunk {call.index + 1} of sequences {list(call.sequences)} in slots "
                 f"{list(call.slots)})")
-    return (f"call {i} (verify round {call.index + 1}: {K} drafts each of sequences {list(call.sequences)} in slots "
-            f"{list(call.slots)}, accepted {list(call.accepted)})")
+    b = _bonus(call, K)
+    return (f"call {i} (verify round {call.index + 1}: {'the next token and ' if b else ''}{K} drafts each of "
+            f"sequences {list(call.sequences)} in slots {list(call.slots)}, accepted {[a - b for a in call.accepted]})")
+
+
+def _bonus(call, K) -> int:
+    """1 where a verify call's first token is a bonus token (1 + K tokens per sequence), else 0."""
+    return int(call.cu_seqlens[1] - call.cu_seqlens[0]) - K
 
 
 def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> str:
@@ -259,8 +297,10 @@ def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> s
     for i, (call, exp) in enumerate(zip(calls, expected)):
         cu = call.cu_seqlens.tolist()
         scale = float(torch.linalg.vector_norm(exp["y"])) / math.sqrt(exp["y"].shape[1]) or 1.0
-        for t_rank in range(p.tp):
-            y = results[t_rank]["calls"][i]["y"].double()
+        # a prefill call's tokens come from the CP rank that held them (judged once, on CP rank 0's
+        # view); a verify call runs whole on every rank (judged on each)
+        for c, t_rank in ((c, t) for c in range(p.cp if call.kind == "verify" else 1) for t in range(p.tp)):
+            y = cp_view([r["calls"][i] for r in results], "y", p, t_rank, c)
             err = torch.linalg.vector_norm((y - exp["y"])[0], dim=-1) / scale
             for k, (n, slot, start) in enumerate(zip(call.sequences, call.slots, call.starts)):
                 bad = torch.nonzero(~(err[cu[k]:cu[k + 1]] <= rtol)).flatten().tolist()
@@ -268,26 +308,29 @@ def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> s
                     pos = bad[0]
                     kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
                     what = (f"token {start + pos}" if pos < kept else
-                            f"draft {pos + 1} of {K} (rejected; after token {start + kept - 1})")
+                            f"draft {pos + 1 - _bonus(call, K)} of {K} (rejected; after token {start + kept - 1})")
                     outputs.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), {what}: "
                                    f"output error {float(err[cu[k] + pos]):.1e} of the tokens' RMS norm"
-                                   + (f" (tp_rank{t_rank})" if p.tp > 1 else ""))
-        per_rank = [results[t]["calls"][i]["states"] for t in range(p.tp)]
-        got = per_rank[0] if p.tp == 1 else path.unshard_state(per_rank, p)
-        for k, (n, slot, start) in enumerate(zip(call.sequences, call.slots, call.starts)):
-            kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
-            for field, a, e in zip(names, got, exp["states"]):
-                err = float(torch.linalg.vector_norm(a[k].double() - e[k])) / (float(torch.linalg.vector_norm(e[k]))
-                                                                               or 1.0)
-                if not err <= rtol:
-                    after = f"after token {start + kept - 1}" if start + kept else "before its first token (zeros)"
-                    how = "" if call.kind == "prefill" else f", {kept} of {K} drafts accepted"
-                    states.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), state "
-                                  f"{after}{how}: field {field} error {err:.1e}")
+                                   + rank_note(p, t_rank, c, call.kind == "verify"))
+        for c in range(p.cp):  # the pool is whole on every CP rank: each rank's slots
+            per_rank = [results[t + p.tp * c]["calls"][i]["states"] for t in range(p.tp)]
+            got = per_rank[0] if p.tp == 1 else path.unshard_state(per_rank, p)
+            for k, (n, slot, start) in enumerate(zip(call.sequences, call.slots, call.starts)):
+                kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
+                for field, a, e in zip(names, got, exp["states"]):
+                    err = float(torch.linalg.vector_norm(a[k].double() - e[k])) / (
+                        float(torch.linalg.vector_norm(e[k])) or 1.0)
+                    if not err <= rtol:
+                        after = f"after token {start + kept - 1}" if start + kept else "before its first token (zeros)"
+                        how = "" if call.kind == "prefill" else f", {kept - _bonus(call, K)} of {K} drafts accepted"
+                        states.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), state "
+                                      f"{after}{how}: field {field} error {err:.1e}"
+                                      + (f" (cp_rank{c})" if p.cp > 1 else ""))
     if not (outputs or states or changed):
         return ""
     parts = [f"spec-decode parity failed for {label}: {len(outputs)} wrong output(s), {len(states)} wrong state(s), "
-             f"{len(changed)} unscheduled slot change(s)"]
+             f"{len(changed)} unscheduled slot change(s)" + (f"\n{describe_fillers(calls).rstrip()}"
+                                                              if describe_fillers(calls) else "")]
     for title, found in (("first wrong outputs (by call)", outputs), ("first wrong states (by call)", states),
                          ("slots changed without being scheduled", changed)):
         if found:

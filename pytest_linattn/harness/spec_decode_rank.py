@@ -2,7 +2,11 @@
 shard the pool, then every call in order (prefill chunks; verify calls, each followed by the
 client's accept with the number of accepted drafts per sequence). After each call the rank keeps
 the call's outputs and its scheduled slots, and compares every other slot with its value before
-the call (bitwise). The test process (`pytest_linattn.harness.spec_decode`) judges. No pytest."""
+the call (bitwise); a path with `read_state` says where each sequence's state is (its row of
+slots). Under CP a prefill call runs this CP rank's piece of its tokens
+(`state_pool_rank.prefill_on_rank`, a filler in its scratch slot where they do not divide by cp),
+a verify call runs whole, and the pool is whole (TP-sharded) on every CP rank. The test process
+(`pytest_linattn.harness.spec_decode`) judges. No pytest."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import torch
 
 from .placement import Placement
 from .sharded_parity_rank import run_device
-from .state_pool_rank import rank_layer_and_pool, rebuild_state
+from .state_pool_rank import prefill_on_rank, rank_layer_and_pool, rebuild_state
 
 __all__ = ["RankSpec", "SpecCall", "run_spec_on_rank"]
 
@@ -33,6 +37,7 @@ class SpecCall:
     fresh: tuple | None
     accepted: tuple | None
     starts: tuple
+    filler: tuple | None = None  # under CP: (input [1, pad, hidden], scratch slot(s)) of a filler sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,9 +55,11 @@ class RankSpec:
 
 
 def run_spec_on_rank(case: RankSpec) -> dict:
-    """Rank function (for spawn): per call its outputs `y` and the scheduled slots' state after it
-    (this rank's shard, one row per sequence of the call), and the slots a call changed without
-    scheduling them: (call index, slot, field, max |change|)."""
+    """Rank function (for spawn): per call its outputs `y` `[1, T, hidden]` over the call's tokens,
+    which of them this rank ran ('held': under CP a prefill token on one CP rank) and which every
+    rank runs ('decoded': a verify call's), the scheduled slots' state after it (this rank's shard,
+    one row per sequence of the call), and the slots a call changed without scheduling them: (call
+    index, slot, field, max |change|)."""
     p, device = case.placement, run_device()
     path, (module, pool) = case.path, rank_layer_and_pool(case, device)
     out, changed = [], []
@@ -60,16 +67,26 @@ def run_spec_on_rank(case: RankSpec) -> dict:
         for i, call in enumerate(case.calls):
             before = [t.clone() for t in pool]
             slots = torch.tensor(call.slots, dtype=torch.int64, device=device)
-            x, cu = call.x.to(device, case.dtype), call.cu_seqlens.to(device)
+            T = call.x.shape[1]
+            y_call, held = torch.zeros(1, T, call.x.shape[2], dtype=case.dtype), torch.zeros(T, dtype=torch.bool)
             if call.kind == "prefill":
-                y = path.prefill(module, x, cu, pool, slots, torch.tensor(call.fresh, device=device), p)
+                y, positions = prefill_on_rank(path.prefill, module, p, call.x, call.cu_seqlens, pool, call.slots,
+                                               call.fresh, call.filler, device, case.dtype)
             else:
-                y = path.verify(module, x, cu, pool, slots, p)
+                y = path.verify(module, call.x.to(device, case.dtype), call.cu_seqlens.to(device), pool, slots, p)
                 path.accept(module, pool, slots, torch.tensor(call.accepted, dtype=torch.int64, device=device), p)
-            states = rebuild_state(case.pool, [t[slots].detach().cpu() for t in pool])
-            out.append(dict(y=y.detach().cpu().to(case.dtype), states=states))
+                positions = torch.arange(T)
+            y_call[:, positions] = y.detach().cpu().to(case.dtype)
+            held[positions] = True
+            rows = [t[slots] for t in pool] if path.read_state is None else path.read_state(module, pool, slots, p)
+            states = rebuild_state(case.pool, [t.detach().cpu() for t in rows])
+            out.append(dict(y=y_call, held=held, decoded=held if call.kind == "verify" else torch.zeros_like(held),
+                            states=states))
+            scheduled = set(slots.flatten().tolist())
+            if call.filler is not None:  # the filler's scratch slot(s): scheduled by the call
+                scheduled |= set(torch.tensor(call.filler[1]).flatten().tolist())
             for slot in range(pool[0].shape[0]):
-                if slot in call.slots:
+                if slot in scheduled:
                     continue
                 for name, old, new in zip(case.names, before, pool):
                     if not torch.equal(old[slot], new[slot]):

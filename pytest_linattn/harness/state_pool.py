@@ -14,8 +14,16 @@ did not schedule it, shows.
 After every call, each live slot the call did not schedule must be bitwise unchanged (on every
 rank); every token's output and every sequence's final state (its slot when it finishes) must
 match one float64 full forward of the replicated layer from zero states, within rtol. A failure
-names the call, the slot, the sequence and the token. TP placements only (the decode batch runs
-whole on every rank); no gradients (serving).
+names the call, the slot, the sequence and the token. No gradients (serving).
+
+Under CP (contiguous layout, no sequence parallel) the pool is replicated over the CP ranks (TP-
+sharded as at TP) and a call runs as a serving engine runs it: a prefill call's tokens are split
+in contiguous pieces over the CP ranks, as the continuation check splits them (a call whose
+tokens do not divide by cp gets a filler sequence, fresh, in a scratch slot after the others,
+unchecked: `continuation_plans.cp_filler`), each sequence read from its slot and its final state
+written to the pool on every rank; a decode call runs whole on every rank (the layer's decode
+step). Every rank's pool is checked: the unscheduled slots, the final states, the snapshots; a
+prefill token's output on the CP rank that held it, a decoded one on every CP rank.
 
 Prefix mode (`block_size`): as an engine with prefix caching, every prefill chunk that ends on a
 multiple of `block_size` tokens of its sequence also writes the state there into a snapshot slot
@@ -42,12 +50,12 @@ from linattn.checks import positive_int
 
 from ..parity import assert_parity, check_rtol
 from .cases import ShardedLayer
-from .continuation_plans import SequencePlan
-from .continuation_report import field_names
+from .continuation_plans import SequencePlan, cp_filler
+from .continuation_report import cp_view, field_names
 from .placement import Placement, as_cu_seqlens
-from .state_pool_rank import PoolCall, RankPool, run_pool_on_rank
+from .state_pool_rank import PoolCall, RankPool, rebuild_state, run_pool_on_rank
 
-__all__ = ["CAPTURE_SIZES", "StatePoolPath", "assert_state_pool_parity"]
+__all__ = ["CAPTURE_SIZES", "StatePoolPath", "assert_state_pool_parity", "check_pool_placements", "with_cp_fillers"]
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)  # decode batch sizes a graph is captured for
 PAD_TARGETS = ("sentinel", "slot 0", "free slot")  # what padding rows point at, in turn
@@ -68,10 +76,15 @@ class StatePoolPath:
         where the sequence's state at the chunk's end (a block boundary) is to be written too, -1
         for none; and `prefix_slots` `[N]` int64: the snapshot a prefix hit starts from (instead of
         its own slot, which holds a previous sequence's state), -1 for none; it may not change it.
+        Under CP: x is this CP rank's contiguous piece of the call's T / cp tokens and y its
+        outputs; cu_seqlens, slots, fresh (and the keywords) are the whole call's, a filler's last
+        where the call holds one (fresh, in a scratch slot, -1 in the keywords), and every CP rank
+        writes every sequence's state (linattn's layer returns the final states whole on every CP rank).
     decode(module, x, pool, slots, num_valid, placement) -> y
         One token of each row, x `[1, B, hidden]`, slots `[B]`: the first `num_valid` rows are
         sequences, the rest padding (slots: -1, 0 or a free slot). Returns y `[1, B, hidden]`
-        (padding rows' outputs are ignored); writes the valid rows' slots, and no other.
+        (padding rows' outputs are ignored); writes the valid rows' slots, and no other. Under CP
+        the whole decode batch on every CP rank.
     shard_state(state, placement, tp_rank), unshard_state(states, placement): as StatePath's.
     """
 
@@ -102,7 +115,7 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
                              dtype: torch.dtype = torch.float64, block_size: int | None = None,
                              prefix_hits: dict | None = None, reference_forward: Callable | None = None,
                              name: str = "") -> None:
-    """The client's pool path at every TP placement against one float64 full forward of
+    """The client's pool path at every placement (TP, CP, TP x CP) against one float64 full forward of
     `reference` from zero states (the module docstring). max_live: sequences live at once
     (default half of them, at least 2: slots are freed and reused). capture_sizes: the decode batch
     sizes a graph is captured for; a decode call is padded to the next one. reference_forward(reference,
@@ -131,12 +144,7 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     capture_sizes = tuple(sorted(capture_sizes))
     for c in capture_sizes:
         positive_int(c, "capture_sizes[...]")
-    placements = list(placements)
-    for p in placements:
-        if not isinstance(p, Placement) or p.cp > 1 or p.sequence_parallel:
-            raise ValueError(f"placements must be TP-only Placements (the pool mode runs no CP or SP), got {p!r}")
-        if p.tp > 1 and path.shard_state is None:
-            raise ValueError(f"placement {p.name}: tp > 1 needs StatePoolPath.shard_state and unshard_state")
+    placements = check_pool_placements(placements, path, "the pool mode")
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
@@ -160,19 +168,74 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
             expected = {s: [t.double()[0] for t in forward(reference, x[:, bounds[seq]:bounds[seq] + t].to(ref_dtype),
                                                             torch.tensor([0, t], dtype=torch.int32), None)[1]]
                         for s, (i, seq, t) in snapshots.items()}
+    scratch = None
+    if any(p.cp > 1 for p in placements):  # a scratch slot after the others: the CP fillers'
+        scratch = pool[0].shape[0]
+        pool = rebuild_state(probe, [torch.cat([f, torch.randn((1,) + tuple(f.shape[1:]), generator=gen,
+                                                               dtype=torch.float64)]) for f in pool])
     label = f"{name}/" if name else ""
     reports = []
     for p in placements:
-        case = RankPool(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, pool, calls,
+        placed = with_cp_fillers(calls, p.cp, hidden_size, gen, scratch) if p.cp > 1 else calls
+        case = RankPool(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, pool, placed,
                         dtype, field_names(probe))
         results = spawn(run_pool_on_rank, p.size, case)
         prefix = _check_snapshots(p, path, plans, calls, results, snapshots, expected, rtol) if snapshots else []
-        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol,
+        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, bounds, placed, results, y_ref, ht_ref, rtol,
                         prefix)
         if report:
             reports.append(report)
     if reports:
         raise AssertionError("\n\n".join(reports))
+
+
+def check_pool_placements(placements, path, mode: str, state_fields=("shard_state", "unshard_state")) -> list:
+    """`placements` as a list, for a serving mode (`mode`: its name in the message): ValueError
+    naming the rule a placement breaks. The serving modes run TP, CP in the contiguous layout (a
+    prefill call cut in contiguous pieces over the CP ranks, `continuation_rank.cp_share`) and TP x
+    CP, without sequence parallel; tp > 1 needs the path's `state_fields`."""
+    placements = list(placements)
+    if not placements:
+        raise ValueError("placements must be a non-empty sequence of Placement")
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise ValueError(f"placements must be Placements, got {p!r}")
+        if p.sequence_parallel or (p.cp > 1 and p.cp_layout != "contiguous"):
+            raise ValueError(f"placements: {mode} runs TP, CP in the contiguous layout (each prefill call cut in "
+                             f"contiguous pieces over the CP ranks) and TP x CP, without sequence parallel; got "
+                             f"{p.name} (cp_layout {p.cp_layout!r}, sequence_parallel {p.sequence_parallel})")
+        if p.tp > 1 and any(getattr(path, f) is None for f in state_fields):
+            raise ValueError(f"placement {p.name}: tp > 1 needs {type(path).__name__}."
+                             + " and ".join(state_fields))
+    return placements
+
+
+def with_cp_fillers(calls, cp: int, hidden_size: int, gen, slot: int) -> list:
+    """`calls` for a CP placement: every prefill call whose tokens (cu_seqlens[-1]) do not divide by
+    cp gets a filler sequence (`continuation_plans.cp_filler`: random input, drawn from `gen`),
+    fresh, in scratch slot `slot`; the other calls unchanged. For the state pool's and speculative
+    decoding's calls (a `filler` field)."""
+    placed = []
+    for call in calls:
+        filler = cp_filler(int(call.cu_seqlens[-1]), cp, hidden_size, gen) if call.kind == "prefill" else None
+        placed.append(call if filler is None else dataclasses.replace(call, filler=(filler[0], slot)))
+    return placed
+
+
+def rank_note(p, t_rank, c, whole) -> str:
+    """' (tp_rank1, cp_rank0)': the rank whose result a report line judges ('' for one rank). A
+    prefill call's CP rank (the one holding the token) goes unnamed; a whole call's (`whole`: a
+    decode or verify call, run on every CP rank) is named."""
+    words = ([f"tp_rank{t_rank}"] if p.tp > 1 else []) + ([f"cp_rank{c}"] if p.cp > 1 and whole else [])
+    return f" ({', '.join(words)})" if words else ""
+
+
+def describe_fillers(calls) -> str:
+    """The report's line on the CP fillers of `calls` ('' without any)."""
+    fillers = [f"call {i}: {c.filler[0].shape[1]} token(s) in slot {c.filler[1]}" for i, c in enumerate(calls)
+               if c.filler is not None]
+    return (f"  fillers (CP: a prefill call's tokens padded to a multiple of cp, fresh, unchecked): "
+            f"{'; '.join(fillers)}\n") if fillers else ""
 
 
 def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES, block_size=None,
@@ -274,10 +337,13 @@ def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol, p
         return (f"sequence {seq} ({plans[seq]}) token {t - bounds[seq]}, {_describe_call(i, calls[i])}, its slot "
                 f"{slot} ({holder})")
 
-    for t_rank in range(p.tp):
-        y = results[t_rank]["y"].double()
+    unrun = [t for t in range(y_ref.shape[1]) if t not in where]  # a prefix hit's restored tokens
+    for c, t_rank in ((c, t) for c in range(p.cp) for t in range(p.tp)):
+        y = cp_view(results, "y", p, t_rank, c)
         per_token = torch.linalg.vector_norm((y - y_ref)[0], dim=-1) / scale
-        per_token[[t for t in range(per_token.numel()) if t not in where]] = 0  # a prefix hit's restored tokens
+        per_token[unrun] = 0
+        if c:  # a prefill token comes from the CP rank that held it: judged once, on CP rank 0's view
+            per_token[~results[t_rank + p.tp * c]["decoded"]] = 0
         bad = torch.nonzero(~(per_token <= rtol)).flatten().tolist()
         if not bad:
             continue
@@ -285,26 +351,37 @@ def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol, p
         for t in bad:
             firsts.setdefault(where[t][2], t)
         t = min(firsts.values(), key=lambda g: (g - bounds[where[g][2]], where[g][2]))
-        failures.append(f"output{f' tp_rank{t_rank}' if p.tp > 1 else ''}: {len(bad)} token(s) off; first wrong "
+        failures.append(f"output{_rank_words(p, t_rank, c)}: {len(bad)} token(s) off; first wrong "
                         f"token: {located(t)}, error {float(per_token[t]):.1e} of the tokens' RMS norm; each wrong "
                         "sequence's first wrong token:\n" + "\n".join(f"    {located(g)}" for g in firsts.values()))
-    finals = [results[t]["final"] for t in range(p.tp)]
-    states = [s.double() for s in (finals[0] if p.tp == 1 else path.unshard_state(finals, p))]
     names = field_names(results[0]["final"])
 
     def describe(tensor_name, index):
         return f"sequence {index[0]} ({plans[index[0]]}), element {tuple(index[1:])}"
 
-    try:
-        assert_parity(dict(zip(names, states)), dict(zip(names, ht_ref)), rtol=rtol,
-                      name=f"{label} final state (the slot when the sequence ends)", describe=describe,
-                      activations=False)
-    except AssertionError as exc:
-        failures.append(str(exc))
+    for c in range(p.cp):
+        states = _unshard(path, p, [results[t + p.tp * c]["final"] for t in range(p.tp)])
+        try:
+            assert_parity(dict(zip(names, states)), dict(zip(names, ht_ref)), rtol=rtol,
+                          name=f"{label} final state (the slot when the sequence ends)"
+                               + (f" on cp_rank{c}" if p.cp > 1 else ""), describe=describe, activations=False)
+        except AssertionError as exc:
+            failures.append(str(exc))
     if not failures:
         return ""
     return (f"state-pool parity failed for {label}: {len(failures)} failing check(s)\n"
-            + "".join(f"  {_describe_call(i, c)}\n" for i, c in enumerate(calls)) + "\n" + "\n".join(failures))
+            + "".join(f"  {_describe_call(i, c)}\n" for i, c in enumerate(calls)) + describe_fillers(calls) + "\n"
+            + "\n".join(failures))
+
+
+def _rank_words(p, t_rank, c) -> str:
+    """' tp_rank1 (decoded on cp_rank0)': which rank's view a report line judges ('' for one rank)."""
+    return "".join([f" tp_rank{t_rank}" if p.tp > 1 else "", f" (decoded on cp_rank{c})" if p.cp > 1 else ""])
+
+
+def _unshard(path, p, per_tp_rank) -> list:
+    """One CP rank's states (per TP rank) as the replicated layout's fields, float64."""
+    return [t.double() for t in (per_tp_rank[0] if p.tp == 1 else path.unshard_state(per_tp_rank, p))]
 
 
 def _snapshots_of(call, bounds):
@@ -352,17 +429,18 @@ def _check_snapshots(p, path, plans, calls, results, snapshots, expected, rtol) 
                             f"sequence {seq} at token {t})" + (", which it read from" if read else "")
                             + f": field {field}, max |change| {diff:.2e} (rank {r})")
     order = sorted(snapshots)
-    per_rank = [[torch.stack([results[t]["snapshots"][s][f] for s in order]) for f in range(len(expected[order[0]]))]
-                for t in range(p.tp)]
     like = results[0]["final"]
-    per_rank = [type(like)(*fields) if hasattr(like, "_fields") else type(like)(fields) for fields in per_rank]
-    got = per_rank[0] if p.tp == 1 else path.unshard_state(per_rank, p)
     names = field_names(like)
-    for k, slot in enumerate(order):
-        i, seq, t = snapshots[slot]
-        for field, a, e in zip(names, got, expected[slot]):
-            err = float(torch.linalg.vector_norm(a[k].double() - e)) / (float(torch.linalg.vector_norm(e)) or 1.0)
-            if not err <= rtol:
-                failures.append(f"{_describe_call(i, calls[i])}: the snapshot of sequence {seq} ({plans[seq]}) at "
-                                f"token {t} in slot {slot} is not the state there: field {field} error {err:.1e}")
+    for c in range(p.cp):  # the pool is whole on every CP rank: each rank's snapshots
+        per_rank = [rebuild_state(like, [torch.stack([results[t + p.tp * c]["snapshots"][s][f] for s in order])
+                                         for f in range(len(expected[order[0]]))]) for t in range(p.tp)]
+        got = _unshard(path, p, per_rank)
+        for k, slot in enumerate(order):
+            i, seq, t = snapshots[slot]
+            for field, a, e in zip(names, got, expected[slot]):
+                err = float(torch.linalg.vector_norm(a[k] - e)) / (float(torch.linalg.vector_norm(e)) or 1.0)
+                if not err <= rtol:
+                    failures.append(f"{_describe_call(i, calls[i])}: the snapshot of sequence {seq} ({plans[seq]}) at "
+                                    f"token {t} in slot {slot} is not the state there: field {field} error {err:.1e}"
+                                    + (f" (cp_rank{c})" if p.cp > 1 else ""))
     return failures

@@ -1,7 +1,10 @@
 """What a rank of the state-pool check runs: build the client's layer, load its weights, shard
 the pool, then every call in order, each followed by a comparison of the live slots the call did
 not schedule with their values before it (bitwise); a finishing sequence's slot is copied out as
-its final state. The test process (`pytest_linattn.harness.state_pool`) judges. No pytest."""
+its final state. Under CP a prefill call runs this CP rank's piece of its tokens (a filler
+appended where they do not divide by cp: `prefill_on_rank`), a decode call runs whole, and the
+pool is whole (TP-sharded) on every CP rank. The test process (`pytest_linattn.harness.state_pool`)
+judges. No pytest."""
 
 from __future__ import annotations
 
@@ -9,10 +12,11 @@ import dataclasses
 
 import torch
 
+from .continuation_rank import cp_share, rank_coordinates
 from .placement import Placement
 from .sharded_parity_rank import load_shard, run_device
 
-__all__ = ["PoolCall", "RankPool", "run_pool_on_rank"]
+__all__ = ["PoolCall", "RankPool", "prefill_on_rank", "run_pool_on_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,7 +27,8 @@ class PoolCall:
     live slots when it runs (sequence -> slot). In prefix mode (a block size given) a prefill
     call also names each sequence's snapshot slot (where its state at the chunk's end, a block
     boundary, goes) and prefix slot (the snapshot a prefix hit starts from), and the snapshots
-    (prefix blocks) taken before it, which it may not change."""
+    (prefix blocks) taken before it, which it may not change. Under CP a prefill call whose tokens
+    do not divide by cp carries a filler: (its input `[1, pad, hidden]`, its scratch slot)."""
 
     kind: str
     sequences: tuple
@@ -37,6 +42,7 @@ class PoolCall:
     snapshot_slots: tuple | None = None  # prefix mode: per sequence the slot of its snapshot, -1: none
     prefix_slots: tuple | None = None  # prefix mode: per sequence the snapshot it starts from, -1: none
     blocks: dict | None = None  # prefix mode: the snapshots taken before the call, slot -> (sequence, token)
+    filler: tuple | None = None  # under CP: (input [1, pad, hidden], scratch slot) of a filler sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,15 +61,43 @@ class RankPool:
     names: list
 
 
+def prefill_on_rank(prefill, module, placement, x, cu_seqlens, pool, slots, fresh, filler, device, dtype,
+                    **slot_keywords):
+    """One prefill call of a pool-mode check (the state pool's, speculative decoding's) on this
+    rank: x `[1, T, hidden]` the call's tokens, slots and fresh per sequence. Under CP the filler
+    (input, scratch slot), if any, goes after the call's sequences (fresh, -1 in every keyword's
+    slots: no snapshot, no prefix) and the client's prefill gets this CP rank's piece of the
+    tokens (`cp_share`), the boundaries, the pool and the slots whole. Returns the outputs of the
+    call's own tokens this rank held and their positions in the call."""
+    _, cp_rank = rank_coordinates(placement)
+    num_real = x.shape[1]
+    x, slots, fresh = x.to(device, dtype), list(slots), list(fresh)
+    if filler is not None:
+        filler_x, filler_slot = filler
+        x = torch.cat([x, filler_x.to(device, dtype)], dim=1)
+        cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + filler_x.shape[1]])
+        slots.append(filler_slot)
+        fresh.append(True)
+        slot_keywords = {k: tuple(v) + (-1,) for k, v in slot_keywords.items()}
+    piece, own = cp_share(x.shape[1], num_real, placement.cp, cp_rank)
+    keywords = {k: torch.tensor(v, dtype=torch.int64, device=device) for k, v in slot_keywords.items()}
+    y = prefill(module, x[:, piece], cu_seqlens.to(device), pool, torch.tensor(slots, dtype=torch.int64, device=device),
+                torch.tensor(fresh, dtype=torch.bool, device=device), placement, **keywords)
+    return y[:, own.to(y.device)], torch.arange(x.shape[1])[piece][own]
+
+
 def run_pool_on_rank(case: RankPool) -> dict:
-    """Rank function (for spawn): the outputs of every token, the final state of every sequence
-    `[N, ...]` per field (this rank's shard), the unscheduled live slots a call changed: (call
-    index, slot, sequence, field, max |change|), the snapshots as written (slot -> fields), and the
-    prefix blocks a later call changed: (call index, slot, field, max |change|)."""
+    """Rank function (for spawn): the outputs of the tokens this rank ran and which ('held'; under
+    CP a prefill token on one CP rank, 'decoded' ones on every rank), the final state of every
+    sequence `[N, ...]` per field (this rank's shard), the unscheduled live slots a call changed:
+    (call index, slot, sequence, field, max |change|), the snapshots as written (slot -> fields),
+    and the prefix blocks a later call changed: (call index, slot, field, max |change|)."""
     p, device = case.placement, run_device()
     path, (module, pool) = case.path, rank_layer_and_pool(case, device)
     x = case.x.to(device, case.dtype)
+    T = case.x.shape[1]
     y_out = torch.zeros(tuple(case.x.shape), dtype=case.dtype)
+    held, decoded = (torch.zeros(T, dtype=torch.bool) for _ in range(2))
     num_sequences = 1 + max(n for call in case.calls for n in call.sequences)
     final = [torch.zeros((num_sequences,) + tuple(t.shape[1:]), dtype=t.dtype) for t in pool]
     changed, snapshots, changed_blocks = [], {}, []
@@ -72,16 +106,18 @@ def run_pool_on_rank(case: RankPool) -> dict:
             before = [t.clone() for t in pool]
             slots = torch.tensor(call.slots, dtype=torch.int64, device=device)
             if call.kind == "prefill":
-                fresh = torch.tensor(call.fresh, dtype=torch.bool, device=device)
-                prefix = {} if call.snapshot_slots is None else dict(
-                    snapshot_slots=torch.tensor(call.snapshot_slots, dtype=torch.int64, device=device),
-                    prefix_slots=torch.tensor(call.prefix_slots, dtype=torch.int64, device=device))
-                y = path.prefill(module, x[:, call.tokens], call.cu_seqlens.to(device), pool, slots, fresh, p,
-                                 **prefix)
+                prefix = {} if call.snapshot_slots is None else dict(snapshot_slots=call.snapshot_slots,
+                                                                     prefix_slots=call.prefix_slots)
+                y, positions = prefill_on_rank(path.prefill, module, p, x[:, call.tokens], call.cu_seqlens, pool,
+                                               call.slots, call.fresh, call.filler, device, case.dtype, **prefix)
+                tokens = call.tokens[positions]
             else:
                 x_call = torch.cat([x[:, call.tokens], call.pad_x.to(device, case.dtype)], dim=1)
                 y = path.decode(module, x_call, pool, slots, call.num_valid, p)[:, :call.num_valid]
-            y_out[:, call.tokens] = y.detach().cpu().to(case.dtype)
+                tokens = call.tokens
+                decoded[tokens] = True
+            y_out[:, tokens] = y.detach().cpu().to(case.dtype)
+            held[tokens] = True
             scheduled = set(call.slots[:call.num_valid])
             for seq, slot in call.live.items():
                 if slot in scheduled:
@@ -101,17 +137,16 @@ def run_pool_on_rank(case: RankPool) -> dict:
             for seq, slot in zip(call.sequences, call.slots):
                 for f, t in zip(final, pool):  # the latest state; the last call of the sequence leaves its final one
                     f[seq] = t[slot].detach().cpu()
-    return dict(y=y_out, final=rebuild_state(case.pool, final), changed=changed, snapshots=snapshots,
-                changed_blocks=changed_blocks)
+    return dict(y=y_out, held=held, decoded=decoded, final=rebuild_state(case.pool, final), changed=changed,
+                snapshots=snapshots, changed_blocks=changed_blocks)
 
 
 def rank_layer_and_pool(case, device):
-    """This rank's layer (built, its shard loaded) and its shard of the case's pool, in the case's
-    dtype on `device` (a state-pool or speculative-decoding case: placement, path, weights, pool)."""
-    import torch.distributed as dist
-
+    """This rank's layer (built, its shard loaded) and its shard of the case's pool (whole on every
+    CP rank), in the case's dtype on `device` (a state-pool or speculative-decoding case:
+    placement, path, weights, pool)."""
     p, path = case.placement, case.path
-    tp_rank = dist.get_rank() % p.tp
+    tp_rank, _ = rank_coordinates(p)
     module = path.layer.build(p, path.layer.process_groups(p), case.dtype, device)
     if path.layer.shard is not None:
         load_shard(module, path.layer.shard(case.weights, p, tp_rank))

@@ -1,6 +1,7 @@
 """The speculative-decoding mode of the state-pool check (`assert_spec_decode_parity`) on
 linattn's layer through the slot-pool client with verify and accept (`spec_decode_clients`), at
-TP 2, in float64.
+TP 2, CP 2 and TP 2 x CP 2, in float64. Under CP a prefill call's tokens are split over the CP
+ranks, the pool is whole on every CP rank, and the verify calls run whole on every rank.
 
 Verify calls run 3 drafts of every sequence and accept 0..3 of them (0 and 3 in the same call).
 The correct client passes; two planted bugs each fail with the call, the slot, the sequence and
@@ -47,9 +48,9 @@ def verify_from_zeros(module, x, cu_seqlens, pool, slots, placement):
     return y
 
 
-def check(spawn, path):
+def check(spawn, path, placement):
     with capture_records():  # the plants' failing comparisons stay out of the session's parity records
-        assert_spec_decode_parity(spawn, path, reference(), [Placement(tp=2)], PLANS, num_draft=K,
+        assert_spec_decode_parity(spawn, path, reference(), [placement], PLANS, num_draft=K,
                                   hidden_size=CONFIG.hidden_size, seed=22, rtol=RTOL, name="qwen3_5")
 
 
@@ -66,11 +67,12 @@ def test_schedule_verifies_k_drafts_accepting_0_to_k():
     assert torch.equal(first.x[:, :2], x[:, 3:5]) and not torch.equal(first.x[:, 2], x[0, 5])
 
 
-@pytest.mark.tp_sizes(2)
-def test_spec_decode_client_and_plants(spawn, tp_size):
-    check(spawn, linattn_spec_path(CONFIG))  # the correct client passes
+@pytest.mark.parametrize("placement", [Placement(tp=2), Placement(cp=2), Placement(tp=2, cp=2)],
+                         ids=["tp2", "cp2", "tp2-cp2"])
+def test_spec_decode_client_and_plants(spawn, placement):
+    check(spawn, linattn_spec_path(CONFIG), placement)  # the correct client passes
     with pytest.raises(AssertionError) as kept:
-        check(spawn, linattn_spec_path(CONFIG, accept=accept_keeping_a_rejected_draft))
+        check(spawn, linattn_spec_path(CONFIG, accept=accept_keeping_a_rejected_draft), placement)
     report = str(kept.value)
     # round 1: sequence 0 accepted 2 of 3; its slot holds the state one draft further
     assert ("call 2 (verify round 1: 3 drafts each of sequences [0, 1, 2, 3] in slots [4, 3, 2, 1], accepted "
@@ -78,7 +80,7 @@ def test_spec_decode_client_and_plants(spawn, tp_size):
             "token 4, 2 of 3 drafts accepted: field") in report, report
     assert "slot 3, sequence 1" not in report.split("first wrong states")[1].split("call 3")[0]  # 3 of 3: right
     with pytest.raises(AssertionError) as zeroed:
-        check(spawn, linattn_spec_path(CONFIG, verify=verify_from_zeros))
+        check(spawn, linattn_spec_path(CONFIG, verify=verify_from_zeros), placement)
     report = str(zeroed.value)
     assert ("call 2 (verify round 1: 3 drafts each of sequences [0, 1, 2, 3] in slots [4, 3, 2, 1], accepted "
             "[2, 3, 0, 1]): slot 4, sequence 0 (chunks 3, then verify rounds accepting [2, 0, 3]), token 3: output "
@@ -95,6 +97,10 @@ def test_bad_input_names_the_parameter_and_the_rule():
                                   rtol=RTOL)
     with pytest.raises(ValueError, match=r"SpecPlan.accepted must be ints >= 0"):
         SpecPlan((2,), (-1,))
-    with pytest.raises(ValueError, match=r"TP-only Placements"):
-        assert_spec_decode_parity(None, linattn_spec_path(CONFIG), reference(), [Placement(cp=2)], PLANS,
-                                  num_draft=K, hidden_size=20, seed=0, rtol=RTOL)
+    # CP runs in the contiguous layout without sequence parallel (each prefill call cut in contiguous pieces)
+    for placement in (Placement(cp=2, cp_layout="zigzag"), Placement(tp=2, sequence_parallel=True)):
+        with pytest.raises(ValueError, match=r"placements: the spec-decode mode runs TP, CP in the contiguous layout "
+                                             r"\(each prefill call cut in contiguous pieces over the CP ranks\) and "
+                                             r"TP x CP, without sequence parallel; got " + placement.name):
+            assert_spec_decode_parity(None, linattn_spec_path(CONFIG), reference(), [placement], PLANS,
+                                      num_draft=K, hidden_size=20, seed=0, rtol=RTOL)

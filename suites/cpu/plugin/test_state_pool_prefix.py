@@ -1,6 +1,7 @@
 """The prefix mode of the state-pool check (`assert_state_pool_parity(block_size=...,
 prefix_hits=...)`) on linattn's layer through the slot-pool client (suites/state_pool_clients.py),
-at TP 2, in float64.
+at TP 2, CP 2 and TP 2 x CP 2, in float64 (under CP the pool, its prefix blocks included, whole on
+every CP rank).
 
 Chunks ending on a block boundary write a snapshot (a prefix block); later sequences start from
 another's snapshot (prefix hits), one of them with a first chunk shorter than W-1. The correct
@@ -53,9 +54,9 @@ def prefill_writing_a_short_chunk_into_its_prefix_block(module, x, cu_seqlens, p
     return y
 
 
-def check(spawn, prefill=pool_prefill):
+def check(spawn, placement, prefill=pool_prefill):
     with capture_records():  # the plants' failing comparisons stay out of the session's parity records
-        assert_state_pool_parity(spawn, linattn_pool_path(CONFIG, prefill=prefill), reference(), [Placement(tp=2)],
+        assert_state_pool_parity(spawn, linattn_pool_path(CONFIG, prefill=prefill), reference(), [placement],
                                  CU, plans=PLANS, hidden_size=CONFIG.hidden_size, seed=14, rtol=RTOL, max_live=3,
                                  capture_sizes=(4,), block_size=BLOCK, prefix_hits=HITS, name="qwen3_5")
 
@@ -80,17 +81,18 @@ def test_schedule_snapshots_block_boundaries_and_hits_start_from_them():
         assert snapshots[(m, tokens)] in first.blocks  # taken by an earlier call: a prefix block
 
 
-@pytest.mark.tp_sizes(2)
-def test_prefix_snapshots_and_plants(spawn, tp_size):
-    check(spawn)  # the correct client passes
+@pytest.mark.parametrize("placement", [Placement(tp=2), Placement(cp=2), Placement(tp=2, cp=2)],
+                         ids=["tp2", "cp2", "tp2-cp2"])
+def test_prefix_snapshots_and_plants(spawn, placement):
+    check(spawn, placement)  # the correct client passes
     with pytest.raises(AssertionError) as never:
-        check(spawn, prefill_without_snapshots)
+        check(spawn, placement, prefill_without_snapshots)
     report = str(never.value)
     assert ("snapshots to slots [4, 5]): the snapshot of sequence 0 (chunks 4+4+3, then 3 decode steps) at token 4 "
             "in slot 4 is not the state there: field conv error") in report, report
     assert "first wrong token: sequence 3 (chunks 4+1, then 2 decode steps) token 4, call" in report, report
     with pytest.raises(AssertionError) as short:
-        check(spawn, prefill_writing_a_short_chunk_into_its_prefix_block)
+        check(spawn, placement, prefill_writing_a_short_chunk_into_its_prefix_block)
     report = str(short.value)
     assert ("call 2 (prefill of sequences [0, 2] in slots [0, 2], from prefix slots [-1, 6]) changed prefix block "
             "slot 6 (the snapshot of sequence 0 at token 8), which it read from: field conv, max |change|") in report, \
@@ -101,6 +103,10 @@ def test_prefix_snapshots_and_plants(spawn, tp_size):
 def test_bad_prefix_input_names_the_parameter_and_the_rule():
     path = linattn_pool_path(CONFIG)
     base = dict(plans=PLANS, hidden_size=20, seed=0, rtol=RTOL, max_live=3)
+    with pytest.raises(ValueError, match=r"placements: the pool mode runs TP, CP in the contiguous layout .* without "
+                                         r"sequence parallel; got tp2-sp"):
+        assert_state_pool_parity(None, path, reference(), [Placement(tp=2, sequence_parallel=True)], CU,
+                                 block_size=BLOCK, prefix_hits=HITS, **base)
     with pytest.raises(ValueError, match=r"prefix_hits needs block_size"):
         assert_state_pool_parity(None, path, reference(), [Placement(tp=2)], CU, prefix_hits=HITS, **base)
     with pytest.raises(ValueError, match=r"prefix_hits\[2\] = \(0, 6\): tokens must be where a prefill chunk of "
