@@ -120,6 +120,11 @@ def _library_active(interceptor):
 def _register_library() -> None:
     if _LIBRARIES:
         return
+    # torch registers the functional collectives' autograd kernels in Python when this module is
+    # first imported (Dynamo imports it too); a kernel of ours registered before would make that
+    # import fail, and which key each op takes depends on them
+    import torch.distributed._functional_collectives  # noqa: F401
+
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     for namespace in NAMESPACES:
         library = torch.library.Library(namespace, "IMPL")

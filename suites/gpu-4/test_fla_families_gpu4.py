@@ -4,8 +4,8 @@ precond_clients.py, delta_product_clients.py) on four ranks with fla's Triton ke
 against the same client replicated, float64, on the CPU (fla's ops on linattn's float64
 references there), same bf16-rounded weights and inputs: TP 4, CP 4 (fla's contiguous and zigzag
 layouts) and TP 2 x CP 2 (both layouts). Output, dx and every parameter gradient (summed over CP,
-unsharded over TP) <= 2e-2 (PrecondKDA: 4e-2, RTOL_OF says why), and three placements in float32
-(<= 5e-3) to tell bf16's rounding from a kernel's error. Head shapes: suites/fla_family_cases.py (4 key heads x 64, hidden
+unsharded over TP) <= 2e-2 (PrecondKDA: 4e-2, RTOL_OF says why), and RWKV-7's failing zigzag
+placement in float32 (<= 5e-3) to tell bf16's rounding from a kernel's error. Head shapes: suites/fla_family_cases.py (4 key heads x 64, hidden
 256), 256 tokens. The preconditioned clients' recurrence crosses CP ranks by the clients' own
 state passing (fla's preconditioned ops refuse cp_context): fla's kernels with an initial state
 and an initial ATK state, both final states out, their gradients back over send / recv.
@@ -52,14 +52,14 @@ def _one_reference_run_per_family():
 
 
 # fla's kernels in float32 (their dots in TF32, as fla runs them): the bound of fla's own float32
-# tests. These runs tell a kernel's error from bf16's rounding.
+# tests. A run there tells bf16's rounding from a kernel's error.
 FP32_RTOL = 5e-3
 # PrecondKDA in bf16: its ATK decay's per-head parameters (A_log_atk, dt_bias_atk) take a gradient
-# summed over every token and key channel of the ATK state; measured 2026-12-03 (H200): 2.05e-2 to
-# 2.30e-2 on fla's kernels in bf16, 1.2e-2 to 1.6e-2 with bf16 tensors under the emulation on a
-# CPU, and fla's kernels in float32 pass FP32_RTOL (test_fla_family_float32_matches_float64): the
-# excess over BF16_RTOL is bf16's rounding, not the kernels'. So this family's bf16 bound is twice
-# the others'.
+# summed over every token and key channel of the ATK state. Measured 2026-12-03: 2.05e-2 to
+# 2.30e-2 on fla's kernels in bf16 (H200; every other tensor within 2e-2), 1.2e-2 to 1.6e-2 with
+# bf16 tensors under the emulation on a CPU: bf16's rounding alone comes near the common bound.
+# fla's float32 PrecondKDA kernels cannot tell more there: they ask 245760 bytes of shared memory,
+# over the H200's 232448 (OutOfResources). So this family's bf16 bound is twice the others'.
 RTOL_OF = {"precond_kda": 2 * RTOL}
 
 
@@ -107,16 +107,15 @@ def test_fla_family_bf16_matches_float64(spawn, family, seed, placement):
 
 def _float32_params():
     by_name = {p.name: p for p in PLACEMENTS}
-    for family, name in (("precond_kda", "tp4"), ("precond_kda", "tp2/cp2-contiguous"),
-                         ("rwkv7", "tp2/cp2-fla-zigzag")):
+    for family, name in (("rwkv7", "tp2/cp2-fla-zigzag"),):
         yield pytest.param(family, FAMILIES[family], by_name[name], id=f"{family}-{name}",
                            marks=(RWKV7_ZIGZAG,) if family == "rwkv7" else ())
 
 
 @pytest.mark.parametrize("family, seed, placement", list(_float32_params()))
 def test_fla_family_float32_matches_float64(spawn, family, seed, placement):
-    # where bf16 goes over its bound (PrecondKDA) or far over it (RWKV-7 in fla's zigzag layout):
-    # float32 tells rounding (passes here) from a wrong kernel (fails here too)
+    # RWKV-7 in fla's zigzag layout goes far over the bf16 bound: in float32 it does too (2026-12-03,
+    # H200: dx 0.75, x_w's gradient 1.8), so a kernel computes something else, bf16 is not to blame
     run_family(spawn, family, seed, [placement], dtype=torch.float32)
 
 

@@ -5,6 +5,8 @@ names its site; a test that checks every gradient kills it."""
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -149,6 +151,21 @@ def reduce_inside_an_op_on_rank():
     t = torch.full((2,), float(dist.get_rank() + 1))
     dist.all_reduce(t)  # seen by both
     return t, summed_over_ranks(torch.full((2,), float(dist.get_rank() + 1)))
+
+
+def test_the_library_registers_after_torchs_functional_autograd_kernels():
+    # a process that intercepts before anything imported the functional collectives (Dynamo
+    # imports them lazily): torch's own registration must still work, and its autograd kernel stay
+    code = ("import sys, torch\n"
+            "assert 'torch.distributed._functional_collectives' not in sys.modules\n"
+            "from pytest_linattn.mutation import rank\n"
+            "rank._register_library()\n"
+            "import torch.distributed._functional_collectives\n"
+            "has = torch._C._dispatch_has_kernel_for_dispatch_key\n"
+            "assert has('_c10d_functional::all_reduce', 'ADInplaceOrView')\n"
+            "assert has('c10d::allreduce_', 'Autograd')\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_a_collective_only_the_mode_sees_makes_the_reruns_use_the_mode(spawn):
