@@ -46,7 +46,7 @@ from .continuation_report import cp_view, field_names
 from .padded_rank import PaddedCall, RankPadded, run_padded_on_rank
 from .placement import Placement
 from .spec_decode import serial_run
-from .state_pool import check_pool_placements, rank_note
+from .serving_plans import check_pool_placements, rank_note
 
 __all__ = ["PADDING_SIDES", "PaddedStatePath", "assert_padded_continuation_parity", "cp_padded_calls",
            "padded_schedule"]

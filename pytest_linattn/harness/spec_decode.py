@@ -51,7 +51,7 @@ from .cases import ShardedLayer
 from .continuation_report import cp_view, field_names
 from .placement import Placement
 from .spec_decode_rank import RankSpec, SpecCall, run_spec_on_rank
-from .state_pool import check_pool_placements, describe_fillers, rank_note, with_cp_fillers
+from .serving_plans import check_pool_placements, describe_fillers, rank_note, with_cp_fillers
 
 __all__ = ["SpecDecodePath", "SpecPlan", "assert_spec_decode_parity", "serial_run", "spec_schedule"]
 

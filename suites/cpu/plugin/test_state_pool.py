@@ -22,7 +22,7 @@ from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, SequencePlan
 from pytest_linattn.parity import capture_records
 from pytest_linattn.harness import assert_state_pool_parity
-from pytest_linattn.harness.state_pool import pool_schedule
+from pytest_linattn.harness.serving_plans import pool_schedule
 from state_pool_clients import linattn_pool_path, pool_decode, pool_prefill
 
 CONFIG = make_config("qwen3_5", 1)

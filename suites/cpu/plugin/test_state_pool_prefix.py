@@ -17,7 +17,7 @@ import torch
 
 from layer_parity import make_config, replicated_layer
 from pytest_linattn.harness import Placement, SequencePlan, assert_state_pool_parity
-from pytest_linattn.harness.state_pool import pool_schedule
+from pytest_linattn.harness.serving_plans import pool_schedule
 from pytest_linattn.parity import capture_records
 from state_pool_clients import linattn_pool_path, pool_prefill
 

@@ -1,0 +1,181 @@
+"""The serving modes' schedules and their words (the state pool's, shared by speculative decoding
+and padded batches): which placements the modes take, CP fillers, the state pool's call schedule
+(admission, padded decode calls, prefix snapshots and hits) and how a report names a call and a
+rank. pytest_linattn.harness.state_pool's docstring says what the schedule does. This module
+imports no pytest."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from linattn.checks import positive_int
+
+from .continuation_plans import cp_filler
+from .placement import Placement
+from .state_pool_rank import PoolCall
+
+__all__ = ["CAPTURE_SIZES", "PAD_TARGETS", "SENTINEL", "check_pool_placements", "check_prefix_hits", "describe_call",
+           "describe_fillers", "pool_schedule", "rank_note", "snapshots_of", "with_cp_fillers"]
+
+CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)  # decode batch sizes a graph is captured for
+PAD_TARGETS = ("sentinel", "slot 0", "free slot")  # what padding rows point at, in turn
+SENTINEL = -1
+
+
+def check_pool_placements(placements, path, mode: str, state_fields=("shard_state", "unshard_state")) -> list:
+    """`placements` as a list, for a serving mode (`mode`: its name in the message): ValueError
+    naming the rule a placement breaks. The serving modes run TP, CP in the contiguous layout (a
+    prefill call cut in contiguous pieces over the CP ranks, `continuation_rank.cp_share`) and TP x
+    CP, without sequence parallel; tp > 1 needs the path's `state_fields`."""
+    placements = list(placements)
+    if not placements:
+        raise ValueError("placements must be a non-empty sequence of Placement")
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise ValueError(f"placements must be Placements, got {p!r}")
+        if p.sequence_parallel or (p.cp > 1 and p.cp_layout != "contiguous"):
+            raise ValueError(f"placements: {mode} runs TP, CP in the contiguous layout (each prefill call cut in "
+                             f"contiguous pieces over the CP ranks) and TP x CP, without sequence parallel; got "
+                             f"{p.name} (cp_layout {p.cp_layout!r}, sequence_parallel {p.sequence_parallel})")
+        if p.tp > 1 and any(getattr(path, f) is None for f in state_fields):
+            raise ValueError(f"placement {p.name}: tp > 1 needs {type(path).__name__}."
+                             + " and ".join(state_fields))
+    return placements
+
+
+def with_cp_fillers(calls, cp: int, hidden_size: int, gen, slot: int) -> list:
+    """`calls` for a CP placement: every prefill call whose tokens (cu_seqlens[-1]) do not divide by
+    cp gets a filler sequence (`continuation_plans.cp_filler`: random input, drawn from `gen`),
+    fresh, in scratch slot `slot`; the other calls unchanged. For the state pool's and speculative
+    decoding's calls (a `filler` field)."""
+    placed = []
+    for call in calls:
+        filler = cp_filler(int(call.cu_seqlens[-1]), cp, hidden_size, gen) if call.kind == "prefill" else None
+        placed.append(call if filler is None else dataclasses.replace(call, filler=(filler[0], slot)))
+    return placed
+
+
+def rank_note(p, t_rank, c, whole) -> str:
+    """' (tp_rank1, cp_rank0)': the rank whose result a report line judges ('' for one rank). A
+    prefill call's CP rank (the one holding the token) goes unnamed; a whole call's (`whole`: a
+    decode or verify call, run on every CP rank) is named."""
+    words = ([f"tp_rank{t_rank}"] if p.tp > 1 else []) + ([f"cp_rank{c}"] if p.cp > 1 and whole else [])
+    return f" ({', '.join(words)})" if words else ""
+
+
+def describe_fillers(calls) -> str:
+    """The report's line on the CP fillers of `calls` ('' without any)."""
+    fillers = [f"call {i}: {c.filler[0].shape[1]} token(s) in slot {c.filler[1]}" for i, c in enumerate(calls)
+               if c.filler is not None]
+    return (f"  fillers (CP: a prefill call's tokens padded to a multiple of cp, fresh, unchecked): "
+            f"{'; '.join(fillers)}\n") if fillers else ""
+
+
+def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES, block_size=None,
+                  prefix_hits=None) -> list[PoolCall]:
+    """The calls in order (module docstring): each step one prefill call, then one padded decode
+    call. Prefix mode: snapshot slots from P on, one per chunk ending on a block boundary; a
+    prefix hit's first chunk waits for the snapshot it starts from."""
+    waiting, live, free, done = list(range(len(plans))), {}, list(range(P)), {}
+    progress = {n: 0 for n in range(len(plans))}  # work items done: chunks, then decode tokens
+    calls, pads = [], 0
+    hits = prefix_hits or {}
+    restored = {n: hits[n][1] if n in hits else 0 for n in range(len(plans))}  # tokens a hit does not compute
+    blocks = {}  # (sequence, token) -> its snapshot's slot
+
+    def admit():
+        while waiting and len(live) < max_live:
+            n = waiting.pop(0)
+            live[n] = free.pop(0)
+            free.sort()
+
+    admit()
+    while live:
+        prefill = [n for n in sorted(live) if progress[n] < len(plans[n].chunks)
+                   and (progress[n] or n not in hits or tuple(hits[n]) in blocks)]
+        if prefill:
+            tokens, lengths, snapshot, prefix = [], [], [], []
+            taken = {slot: key for key, slot in blocks.items()}
+            for n in prefill:
+                k = progress[n]
+                start = restored[n] + sum(plans[n].chunks[:k])
+                end = start + plans[n].chunks[k]
+                tokens.append(torch.arange(bounds[n] + start, bounds[n] + end))
+                lengths.append(plans[n].chunks[k])
+                prefix.append(blocks[tuple(hits[n])] if k == 0 and n in hits else -1)
+                snapshot.append(-1)
+                if block_size and end % block_size == 0:
+                    snapshot[-1] = blocks[(n, end)] = P + len(blocks)
+            calls.append(PoolCall("prefill", tuple(prefill), tuple(live[n] for n in prefill), torch.cat(tokens),
+                                  torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
+                                  tuple(progress[n] == 0 and n not in hits for n in prefill), len(prefill), None,
+                                  dict(live), *((tuple(snapshot), tuple(prefix), taken) if block_size else ())))
+        decoding = [n for n in sorted(live) if n not in prefill
+                    and len(plans[n].chunks) <= progress[n] < len(plans[n].chunks) + plans[n].decode]
+        if decoding:
+            size = next((c for c in capture_sizes if c >= len(decoding)), len(decoding))
+            slots = [live[n] for n in decoding]
+            for _ in range(size - len(decoding)):
+                target = PAD_TARGETS[pads % len(PAD_TARGETS)]
+                pads += 1
+                slots.append(SENTINEL if target == "sentinel" else 0 if target == "slot 0" else free[0])
+            tokens = torch.tensor([bounds[n] + restored[n] + sum(plans[n].chunks) + progress[n] - len(plans[n].chunks)
+                                   for n in decoding])
+            pad_x = torch.randn(1, size - len(decoding), hidden_size, generator=gen, dtype=torch.float64)
+            calls.append(PoolCall("decode", tuple(decoding), tuple(slots), tokens, None, None, len(decoding), pad_x,
+                                  dict(live)))
+        for n in prefill + decoding:
+            progress[n] += 1
+        for n in [n for n in live if progress[n] == len(plans[n].chunks) + plans[n].decode]:
+            done[n] = live.pop(n)
+            free.append(done[n])
+            free.sort()
+        admit()
+    return calls
+
+
+def describe_call(i, call) -> str:
+    if call.kind == "prefill":
+        extra = ""
+        if call.snapshot_slots is not None and any(s >= 0 for s in call.snapshot_slots):
+            extra += f", snapshots to slots {list(call.snapshot_slots)}"
+        if call.prefix_slots is not None and any(s >= 0 for s in call.prefix_slots):
+            extra += f", from prefix slots {list(call.prefix_slots)}"
+        return f"call {i} (prefill of sequences {list(call.sequences)} in slots {list(call.slots)}{extra})"
+    rows = list(call.slots[call.num_valid:])
+    return (f"call {i} (decode of sequences {list(call.sequences)} in slots {list(call.slots[:call.num_valid])}, "
+            f"padded to {len(call.slots)} rows" + (f" with padding rows at slots {rows})" if rows else ")"))
+
+
+def snapshots_of(call, bounds):
+    """(sequence, snapshot slot, token) of each snapshot a prefill call writes."""
+    if call.snapshot_slots is None:
+        return []
+    ends = call.cu_seqlens[1:].tolist()
+    return [(seq, slot, int(call.tokens[end - 1]) + 1 - bounds[seq])
+            for seq, slot, end in zip(call.sequences, call.snapshot_slots, ends) if slot >= 0]
+
+
+def check_prefix_hits(block_size, prefix_hits, plans, bounds) -> dict:
+    """prefix_hits as {n: (m, tokens)}, each hit starting from a snapshot that sequence m takes."""
+    if block_size is None:
+        if prefix_hits:
+            raise ValueError("prefix_hits needs block_size (a hit starts from a snapshot at a block boundary)")
+        return {}
+    positive_int(block_size, "block_size")
+    hits = {}
+    for n, hit in dict(prefix_hits or {}).items():
+        if not (isinstance(hit, tuple) and len(hit) == 2 and all(isinstance(v, int) for v in hit)):
+            raise ValueError(f"prefix_hits[{n}] must be (sequence, tokens), got {hit!r}")
+        m, tokens = hit
+        ends = [sum(plans[m].chunks[:k + 1]) for k in range(len(plans[m].chunks))] if 0 <= m < len(plans) else []
+        if not (isinstance(n, int) and 0 <= m < n < len(plans)):
+            raise ValueError(f"prefix_hits: sequence {n} may start from an earlier sequence's snapshot only "
+                             f"(0 <= m < n < {len(plans)}), got {n}: {hit}")
+        if m in dict(prefix_hits) or tokens not in ends or tokens % block_size or tokens >= bounds[n + 1] - bounds[n]:
+            raise ValueError(f"prefix_hits[{n}] = ({m}, {tokens}): tokens must be where a prefill chunk of sequence "
+                             f"{m} (not itself a hit) ends on a multiple of block_size {block_size} (its chunks end "
+                             f"at {ends}), shorter than sequence {n}")
+        hits[n] = (m, tokens)
+    return hits
