@@ -32,8 +32,12 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 
+from pathlib import Path
+
 import pytest
 from _pytest.pathlib import make_numbered_dir
+
+import warm_python
 
 TORCH = ("torch", "torch.distributed", "numpy")
 # Nothing of a pytest plugin's distribution (pytest_linattn, linattn, xdist) is imported in the
@@ -71,10 +75,11 @@ def runpytest_forked(pytester, *args: str, fla: bool = False, rank_servers: bool
     if rank_servers:
         env[servers.CHAIN_ENV] = "forked"
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(), env.get("PYTHONPATH", "")]))
+    python = warm_python_command(env, server)  # the inner run's xdist workers start warm too
     out, err = pytester.path / "stdout", pytester.path / "stderr"
     start = time.monotonic()
     proc = servers.fork_process(server, target=_inner_main, name="forked-pytest",
-                                args=(args, os.getcwd(), env, str(out), str(err)))
+                                args=(args, os.getcwd(), env, str(out), str(err), python))
     proc.start()
     proc.join(timeout)
     if proc.exitcode is None:
@@ -87,7 +92,16 @@ def runpytest_forked(pytester, *args: str, fla: bool = False, rank_servers: bool
     return pytest.RunResult(proc.exitcode, lines[0], lines[1], time.monotonic() - start)
 
 
-def _inner_main(args, cwd, env, out, err):
+def warm_python_command(env: dict, server=None) -> str:
+    """A `python` for processes started with `env` (set up here) that runs its program in a fork
+    of `server` (default: this process's torch server; warm_python): a cold start's imports, skipped."""
+    from pytest_linattn.ranks import servers
+
+    server = server or servers.preloaded_server(TORCH, environ=_START_ENVIRON)
+    return warm_python.warm_python_command(env, server._forkserver_address)
+
+
+def _inner_main(args, cwd, env, out, err, python):
     """In the fork: what a cold start of `python -m pytest` in `cwd` has (working directory,
     environment, sys.path, output files), pytest.main, then the interpreter's exit handlers (a
     forked process skips them) and its exit code."""
@@ -106,6 +120,7 @@ def _inner_main(args, cwd, env, out, err):
     os.environ.update(env)
     sys.path[:] = [cwd] + [p for p in env["PYTHONPATH"].split(os.pathsep) if p] + interpreter_path
     sys.argv = [os.path.join(os.path.dirname(pytest.__file__), "__main__.py"), *args]
+    sys.executable = python
     for fd, path in ((1, out), (2, err)):
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
@@ -138,9 +153,13 @@ def pids_in(path) -> list[int]:
 
 def tagged_processes(tag: str) -> list[int]:
     """Live processes started with LINATTN_LEAK_TAG=tag in their environment: the inner pytest
-    run's ranks and anything else it started."""
+    run's ranks and anything else it started (a warm python's fork: by the pid it recorded)."""
     needle = f"LINATTN_LEAK_TAG={tag}".encode()
     found = []
+    try:
+        found = [pid for pid in pids_in(Path(warm_python.forked_pids_file(tag))) if process_alive(pid)]
+    except FileNotFoundError:
+        pass
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
             continue
@@ -149,7 +168,7 @@ def tagged_processes(tag: str) -> list[int]:
                 env = f.read().split(b"\0")
         except OSError:
             continue
-        if needle in env and process_alive(int(d)):
+        if needle in env and process_alive(int(d)) and int(d) not in found:
             found.append(int(d))
     return found
 
@@ -186,6 +205,12 @@ def torchrun_env(tag):
     return env
 
 
+def torchrun_command(env, *args: str) -> list[str]:
+    """`python -m torch.distributed.run args` with a warm python (warm_python): the agent and
+    the ranks it starts each skip a cold interpreter's imports."""
+    return [warm_python_command(env), "-m", "torch.distributed.run", *args]
+
+
 TORCHRUN_PYTEST = ["-m", "pytest", "-p", "pytest_linattn", "--linattn-device", "cpu", "-p", "no:randomly",
           "-p", "no:cacheprovider", "-p", "no:xdist", "--junitxml=junit.xml"]
 
@@ -209,9 +234,9 @@ def finish(procs, timeout) -> list[str]:
 def one_node_torchrun(pytester, tag: str, *pytest_args: str, timeout: float) -> tuple[int, str]:
     """pytest under `torchrun --standalone` with 2 ranks: (exit code, output). The output is
     printed too: pytest shows a failed test's captured output whole (an assertion's message it cuts)."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", *TORCHRUN_PYTEST,
-           *pytest_args]
-    proc = subprocess.Popen(cmd, cwd=pytester.path, env=torchrun_env(tag), stdout=subprocess.PIPE,
+    env = torchrun_env(tag)
+    cmd = torchrun_command(env, "--standalone", "--nproc-per-node", "2", *TORCHRUN_PYTEST, *pytest_args)
+    proc = subprocess.Popen(cmd, cwd=pytester.path, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
     [text] = finish([proc], timeout)
     print(f"===== torchrun output, exit code {proc.returncode} =====\n{text}")

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from inner_pytest import runpytest_forked
 from pytest_linattn import autotune, options
 
 pytest_plugins = ["pytester"]
@@ -384,8 +385,8 @@ def test_xdist_workers_write_their_records_after_every_test(pytester, monkeypatc
     monkeypatch.delenv("FLA_CACHE_MODE", raising=False)
     pytester.makepyfile(RECORDING_TESTS)
     # no replacement worker after the kill: its start would only cost time
-    pytester.runpytest_subprocess("-p", "pytest_linattn", "--linattn-device", "cuda", "-n", "1", "--max-worker-restart", "0",
-                                  "-p", "no:randomly")
+    runpytest_forked(pytester, "-p", "pytest_linattn", "--linattn-device", "cuda", "-n", "1", "--max-worker-restart", "0",
+                     "-p", "no:randomly")
     records = [r for path in tmp_path.glob("*.json") for r in json.loads(path.read_text())]
     assert {"kernel": "_kernel", "key": [8, "torch.float32"],
             "config": autotune.config_fields(triton.Config({"BLOCK": 32}))} in records

@@ -1,7 +1,8 @@
 """Launcher mode's session-ending faults beyond the one-node and two-node runs of
 test_plugin_launcher.py, each a short torchrun run of its own: rank 0 (the one that reports)
 dying in a call, a rank dying between calls, a launcher stop in a teardown; and how a gone
-process is told to the ranks elsewhere. Each torchrun run starts cold, so it is marked slow.
+process is told to the ranks elsewhere. Each torchrun run's agent and
+ranks run on a warm python (inner_pytest.torchrun_command).
 """
 from __future__ import annotations
 
@@ -34,7 +35,6 @@ def test_rank_zero_exits(spawn):
 '''
 
 
-@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_rank_zero_gone_under_torchrun(pytester):
     # Rank 0, the one that reports, dies in a call: rank 1 says what it saw, and ends at once
     # instead of waiting for a report that will not come (torchrun then kills it 30 s later).
@@ -81,7 +81,6 @@ def test_after(spawn):
 '''
 
 
-@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_rank_gone_between_calls_under_torchrun(pytester):
     # No call to fail: the launcher's SIGTERM interrupts rank 0's session, which names the test
     # it came in and lists what did not run.

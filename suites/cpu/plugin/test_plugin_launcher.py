@@ -4,22 +4,22 @@ A failed call no longer ends the session: the ranks make a new process group and
 runs; only a rank that is gone ends it. So one torchrun session holds every fault, each followed
 by a test that must pass, and ends with the fault that ends it: one node of 2 ranks, then two
 nodes of 2 ranks (two torchrun agents on this machine), one run after another, each with a hard
-timeout (the other session-ending faults: test_launcher_rank_exits.py). Each starts torchrun's
-agent and its ranks cold (their imports are what a real launch pays), so each is marked slow.
+timeout (the other session-ending faults: test_launcher_rank_exits.py). torchrun's agent
+and its ranks run on a warm python (inner_pytest.torchrun_command): each is a process of its own,
+as in a real launch, without a cold interpreter's imports.
 """
 from __future__ import annotations
 
 import os
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from inner_pytest import (BACKSTOP, LONG_WAIT, TORCHRUN_PYTEST, finish, junit_durations, junit_outcomes, no_leftovers,
-                          one_node_torchrun, torchrun_env)
+                          one_node_torchrun, torchrun_command, torchrun_env)
 
 pytest_plugins = ["pytester"]
 
@@ -116,7 +116,6 @@ def test_last(spawn):
 '''
 
 
-@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_faults_under_torchrun(pytester):
     pytester.makepyfile(test_launched=LAUNCHED_TESTS)
     tag = f"launcher-{os.getpid()}-{time.monotonic_ns()}"
@@ -222,7 +221,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow  # a torchrun agent and its ranks, each a cold Python process
 def test_two_nodes(pytester):
     # Two torchrun agents on this machine, two ranks each, over loopback: node 0's agent (started
     # first, so the rendezvous makes it node 0) hosts the rendezvous; node 1 joins it.
@@ -232,10 +230,10 @@ def test_two_nodes(pytester):
     env = {**torchrun_env(tag), "LINATTN_SUITES": str(SUITES)}
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",
+        cmd = torchrun_command(env, "--nnodes", "2", "--nproc-per-node", "2",
                "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", tag,
                "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", "127.0.0.1", *TORCHRUN_PYTEST,
-               "--tp", "2", "--cp", "2", "--linattn-timeout", str(LONG_WAIT), "test_two_nodes.py"]
+               "--tp", "2", "--cp", "2", "--linattn-timeout", str(LONG_WAIT), "test_two_nodes.py")
         procs.append(subprocess.Popen(cmd, cwd=pytester.path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, start_new_session=True))
         time.sleep(0.5 if node == 0 else 0)

@@ -361,7 +361,7 @@ def test_xdist_workers_share_the_cores(pytester, monkeypatch, omp):
         def test_b():
             assert torch.get_num_threads() == {expected}
     """)
-    pytester.runpytest_subprocess("-n", "2", "-p", "pytest_linattn").assert_outcomes(passed=2)
+    runpytest_forked(pytester, "-n", "2", "-p", "pytest_linattn").assert_outcomes(passed=2)
 
 
 def test_thread_share():

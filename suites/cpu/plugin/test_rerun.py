@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from inner_pytest import LONG_WAIT
+from inner_pytest import LONG_WAIT, runpytest_forked
 from pytest_linattn import rerun
 from pytest_linattn.suites import (Suite, SuiteConfigError, _parse_mini_toml, given_flags, home_suite,
                                    load_suites, targeted_suites)
@@ -374,7 +374,7 @@ def test_a_run_of_a_whole_suite_takes_its_xdist_workers(pytester, monkeypatch):
                            "    print('worker', os.environ.get('PYTEST_XDIST_WORKER'))\n"})
 
     def header(*args):
-        out = pytester.runpytest_subprocess("--co", *args).stdout.str()
+        out = runpytest_forked(pytester, "--co", *args).stdout.str()
         return next(line for line in out.splitlines() if line.startswith("home suites:"))
 
     assert header("suites/cpu").endswith("-n 2, --dist load")
@@ -383,6 +383,6 @@ def test_a_run_of_a_whole_suite_takes_its_xdist_workers(pytester, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert "-n" not in header("suites/cpu")
     monkeypatch.delenv("WORLD_SIZE")
-    result = pytester.runpytest_subprocess("suites/cpu", "-s")
+    result = runpytest_forked(pytester, "suites/cpu", "-s")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*2 workers*"])

@@ -12,10 +12,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
-from inner_pytest import LONG_WAIT, no_leftovers, pids_in, process_alive, runpytest_forked
+import warm_python
+from inner_pytest import LONG_WAIT, no_leftovers, pids_in, process_alive, runpytest_forked, warm_python_command
 from pytest_linattn.ranks import pool
 
 pytest_plugins = ["pytester"]
@@ -82,7 +84,7 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
     pids_file = pytester.path / "pids.txt"
     tag = f"kill-{os.getpid()}-{time.monotonic_ns()}"
     env = {**os.environ, "PIDS_FILE": str(pids_file), "LINATTN_LEAK_TAG": tag}
-    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "pytest_linattn", "-q",
+    proc = subprocess.Popen([warm_python_command(env), "-m", "pytest", "-p", "pytest_linattn", "-q",
                              "-p", "no:cacheprovider", "--linattn-device", "cpu", "test_sleeper.py"],
                             cwd=pytester.path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # even if ignored here
@@ -105,7 +107,8 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
     # a killed pytest leaves its pool's directory; the next pool started (here, or in another
     # xdist worker first) removes it
     os.rmdir(pool._make_tmpdir())
-    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"linattn-pool-{proc.pid}-*"))
+    [pytest_pid] = pids_in(Path(warm_python.forked_pids_file(tag)))  # the fork the warm python ran it in
+    assert not glob.glob(os.path.join(tempfile.gettempdir(), f"linattn-pool-{pytest_pid}-*"))
 
 
 def test_a_new_pool_removes_the_directories_of_dead_processes_only(tmp_path, monkeypatch):
