@@ -12,8 +12,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 from inner_pytest import BACKSTOP, LONG_WAIT, no_leftovers, one_node_torchrun
 
 pytest_plugins = ["pytester"]

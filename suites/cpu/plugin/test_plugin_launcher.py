@@ -16,8 +16,6 @@ import subprocess
 import time
 from pathlib import Path
 
-import pytest
-
 from inner_pytest import (BACKSTOP, LONG_WAIT, TORCHRUN_PYTEST, finish, junit_durations, junit_outcomes, no_leftovers,
                           one_node_torchrun, torchrun_command, torchrun_env)
 
