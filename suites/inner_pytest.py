@@ -39,7 +39,6 @@ from _pytest.pathlib import make_numbered_dir
 
 import warm_python
 
-TORCH = ("torch", "torch.distributed", "numpy")
 # Nothing of a pytest plugin's distribution (pytest_linattn, linattn, xdist) is imported in the
 # server or in the fork before pytest.main: pytest rewrites their asserts when it imports them.
 REWRITE_WARNING = ("-W", "ignore:Module already imported so cannot be rewritten:pytest.PytestAssertRewriteWarning")
@@ -64,7 +63,7 @@ def runpytest_forked(pytester, *args: str, fla: bool = False, rank_servers: bool
     from pytest_linattn.ranks import servers
 
     fla = fla and servers.can_preload_fla("cpu")
-    server = servers.preloaded_server(TORCH + (("fla",) if fla else ()), environ=_START_ENVIRON)
+    server = servers.preloaded_server(servers.FLA_ROOT_PRELOAD if fla else servers.ROOT_PRELOAD, environ=_START_ENVIRON)
     basetemp = make_numbered_dir(root=pytester.path, prefix="runpytest-", mode=0o700)
     args = (f"--basetemp={basetemp}", *REWRITE_WARNING, *map(str, args))
     for plugin in pytester.plugins:  # as runpytest_subprocess: by name only
@@ -97,7 +96,7 @@ def warm_python_command(env: dict, server=None) -> str:
     of `server` (default: this process's torch server; warm_python): a cold start's imports, skipped."""
     from pytest_linattn.ranks import servers
 
-    server = server or servers.preloaded_server(TORCH, environ=_START_ENVIRON)
+    server = server or servers.preloaded_server(servers.ROOT_PRELOAD, environ=_START_ENVIRON)
     return warm_python.warm_python_command(env, server._forkserver_address)
 
 

@@ -35,10 +35,16 @@ from multiprocessing.context import ForkServerProcess, reduction, set_spawning_p
 __all__ = ["Starter", "can_preload_fla", "close_servers", "detach_from_server", "fork_process",
            "preloaded_server", "process_uses_fla", "starter"]
 
-BASE_PRELOAD = ("torch", "torch.distributed", "pytest", "pytest_linattn", "pytest_linattn.ranks.worker",
-                "pytest_linattn.autotune", "pytest_linattn.parity.check", "linattn", "linattn.layers",
-                "linattn.parallel", "linattn.reference")
-FLA_PRELOAD = BASE_PRELOAD + ("fla", "linattn.emulation")
+# Stages: servers that import only what no test process rewrites (pytest rewrites its plugins'
+# asserts on import), from which the others are forked; so torch, and fla, are imported once per
+# process and environment however many servers start (the suites' inner pytest runs use them too).
+ROOT_PRELOAD = ("torch", "torch.distributed")
+FLA_ROOT_PRELOAD = ROOT_PRELOAD + ("fla",)
+_STAGES = (FLA_ROOT_PRELOAD, ROOT_PRELOAD)  # the longest first
+_PLUGIN_PRELOAD = ("pytest", "pytest_linattn", "pytest_linattn.ranks.worker", "pytest_linattn.autotune",
+                   "pytest_linattn.parity.check", "linattn", "linattn.layers", "linattn.parallel", "linattn.reference")
+BASE_PRELOAD = ROOT_PRELOAD + _PLUGIN_PRELOAD
+FLA_PRELOAD = FLA_ROOT_PRELOAD + _PLUGIN_PRELOAD + ("linattn.emulation",)
 # read by the preloaded modules when imported: a server started under other values is stale
 _IMPORT_ENV_PREFIXES = ("TRITON", "FLA_", "TORCH", "PYTORCH", "OMP_", "MKL_", "OPENBLAS_", "KMP_",
                         "CUDA")
@@ -88,48 +94,58 @@ def preloaded_server(preload: tuple[str, ...], environ=None) -> forkserver.ForkS
     environment a server starts in, if not os.environ (and multiprocessing's resource tracker, if
     this starts it): its children set their own."""
     environ = os.environ if environ is None else environ
-    key = (tuple(preload), tuple(sorted((k, v) for k, v in environ.items()
-                                        if k.startswith(_IMPORT_ENV_PREFIXES))))
+    env_key = tuple(sorted((k, v) for k, v in environ.items() if k.startswith(_IMPORT_ENV_PREFIXES)))
     with _lock:
-        server = _servers.get(key)
-        if server is None:
-            server = _new_server()
-            server.set_forkserver_preload(list(preload))
-            _servers[key] = server
-        saved = None if environ is os.environ else dict(os.environ)
+        return _running_server(tuple(preload), environ, env_key)
+
+
+def _running_server(preload: tuple[str, ...], environ, env_key) -> forkserver.ForkServer:
+    server = _servers.get((preload, env_key))
+    if server is None:
+        # forked from the longest stage it extends (started first), else cold
+        stage = next((s for s in _STAGES if len(s) < len(preload) and preload[:len(s)] == s), None)
+        server = _new_server(None if stage is None else _running_server(stage, environ, env_key))
+        server.set_forkserver_preload(list(preload))
+        _servers[(preload, env_key)] = server
+    saved = None if environ is os.environ else dict(os.environ)
+    if saved is not None:
+        os.environ.clear()
+        os.environ.update(environ)
+    try:
+        server.ensure_running()  # (re)started if it died; a new one preloads while the pool starts
+    finally:
         if saved is not None:
             os.environ.clear()
-            os.environ.update(environ)
-        try:
-            server.ensure_running()  # (re)started if it died; a new one preloads while the pool starts
-        finally:
-            if saved is not None:
-                os.environ.clear()
-                os.environ.update(saved)
+            os.environ.update(saved)
     return server
 
 
-def _new_server() -> forkserver.ForkServer:
+def _new_server(stage: forkserver.ForkServer | None) -> forkserver.ForkServer:
+    if stage is not None:
+        return _ForkedServer(stage)
     parent = forkserver._forkserver._forkserver_address  # set in a fork of a server
     if os.environ.get(CHAIN_ENV) == "forked" and parent is not None:
-        return _ForkedServer(parent)
+        server = forkserver.ForkServer()
+        server._forkserver_address = parent
+        server.ensure_running = lambda: None  # running: this process is a fork of it
+        return _ForkedServer(server)
     return forkserver.ForkServer()
 
 
 class _ForkedServer(forkserver.ForkServer):
-    """A server forked by the server this process is itself a fork of (CHAIN_ENV=forked: a pytest
-    run of suites/inner_pytest.py), so it starts with that one's imports instead of cold. It is
-    that server's child, not this process's: watched through the exit status that one sends. It
-    exits when this process closes its "alive" pipe or dies, as a cold one does."""
+    """A server forked by another: a stage of this process, or the server this process is itself a
+    fork of (CHAIN_ENV=forked: a pytest run of suites/inner_pytest.py); so it starts with that
+    one's imports instead of cold. It is that server's child, not this process's: watched through
+    the exit status that one sends. It exits when this process closes its "alive" pipe or dies, as
+    a cold one does."""
 
-    def __init__(self, parent_address):
+    def __init__(self, parent: forkserver.ForkServer):
         super().__init__()
-        self._parent = forkserver.ForkServer()
-        self._parent._forkserver_address = parent_address
-        self._parent.ensure_running = lambda: None  # running: this process is a fork of it
+        self._parent = parent
         self._proc = None
 
     def ensure_running(self):
+        self._parent.ensure_running()
         with self._lock:
             if self._proc is not None and self._proc.is_alive():
                 return
@@ -142,6 +158,7 @@ class _ForkedServer(forkserver.ForkServer):
                 listener.listen()
                 alive_r, alive_w = os.pipe()
                 # what the fork takes as its parent's "alive" copy (and closes): not alive_w
+                parent_alive = self._parent._forkserver_alive_fd
                 self._parent._forkserver_alive_fd = alive_r
                 try:
                     proc = fork_process(self._parent, target=_serve, name="linattn-rank-server", daemon=True,
@@ -153,7 +170,7 @@ class _ForkedServer(forkserver.ForkServer):
                     raise
                 finally:
                     os.close(alive_r)
-                    self._parent._forkserver_alive_fd = None
+                    self._parent._forkserver_alive_fd = parent_alive
             self._proc, self._forkserver_address = proc, address
             self._forkserver_alive_fd, self._forkserver_pid = alive_w, proc.pid
 

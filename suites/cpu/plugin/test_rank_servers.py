@@ -1,5 +1,5 @@
 """Where a pool's ranks come from (pytest_linattn.ranks.servers): CPU ranks forked from a server
-that imported torch (and fla) once, in this process's environment of now; CUDA ranks spawned; a
+forked from stages that imported torch (and fla) once, in this process's environment of now; CUDA ranks spawned; a
 forked pytest run's (suites/inner_pytest.py) rank servers cold, or forked from its own server.
 
 That no rank and no server outlives its pytest (Ctrl-C, SIGKILL) is test_spawn_pools'
@@ -8,6 +8,7 @@ test_xdist_pools_never_collide.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 
@@ -71,6 +72,27 @@ def test_fla_pools_once_fla_is_used_and_an_emulated_call_replaces_a_torch_pool(m
         assert all(f["fla"] for f in pools.run(rank_facts, 2, ("UNSET",)))
 
 
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="servers run on Linux")
+def test_servers_are_forks_of_the_stages_that_imported_torch_and_fla_once():
+    """Each rank server is forked from the longest stage its imports extend (torch; torch and
+    fla), so a process imports torch, and fla, once for all of them."""
+    root = servers.preloaded_server(servers.ROOT_PRELOAD)
+    base = servers.preloaded_server(servers.BASE_PRELOAD)
+    assert _parent(base._forkserver_pid) == root._forkserver_pid != os.getpid()
+    assert _parent(root._forkserver_pid) == os.getpid()
+    if servers.can_preload_fla("cpu") and importlib.util.find_spec("fla"):
+        fla_stage = servers.preloaded_server(servers.FLA_ROOT_PRELOAD)
+        fla = servers.preloaded_server(servers.FLA_PRELOAD)
+        assert _parent(fla._forkserver_pid) == fla_stage._forkserver_pid
+        assert _parent(fla_stage._forkserver_pid) == root._forkserver_pid
+    assert servers.preloaded_server(servers.BASE_PRELOAD) is base  # one per preload and environment
+
+
 def test_spawn_where_a_fork_is_unsafe_or_asked_against(monkeypatch):
     assert servers.starter("cuda", True).method == "spawn"  # a forked CUDA context is unusable
     assert not servers.can_preload_fla("cuda")
@@ -100,26 +122,32 @@ RANK_SERVER_OF_A_FORKED_RUN = r'''
 import os
 
 
-def server_and_its_parent():
-    with open(f"/proc/{os.getppid()}/stat") as f:
-        return os.getppid(), int(f.read().rsplit(")", 1)[1].split()[1])
+def parent_of(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def server_and_its_parents():
+    stage = parent_of(os.getppid())
+    return os.getppid(), stage, parent_of(stage)
 
 
 def test_where(spawn):
-    (server, parent), _ = spawn(server_and_its_parent, 2)
+    (server, stage, parent), _ = spawn(server_and_its_parents, 2)
     with open("where.txt", "w") as f:
-        f.write(f"{os.getpid()} {server} {parent}")
+        f.write(f"{os.getpid()} {server} {stage} {parent}")
 '''
 
 
 @pytest.mark.parametrize("rank_servers", [False, True], ids=["cold", "forked"])
 def test_a_forked_pytest_runs_rank_servers_of_its_own_or_forked_from_its_server(pytester, rank_servers):
-    """suites/inner_pytest.py: the inner session's rank server is its own child (cold), or, with
-    rank_servers=True, a fork of the server the inner session itself was forked from."""
-    from inner_pytest import TORCH, _START_ENVIRON, runpytest_forked
+    """suites/inner_pytest.py: the inner session's rank server is a fork of its torch stage, which
+    is its own child (cold), or, with rank_servers=True, a fork of the server the inner session
+    itself was forked from."""
+    from inner_pytest import _START_ENVIRON, runpytest_forked
 
     pytester.makepyfile(test_where=RANK_SERVER_OF_A_FORKED_RUN)
     runpytest_forked(pytester, "-p", "pytest_linattn", rank_servers=rank_servers).assert_outcomes(passed=1)
-    inner, server, parent = map(int, (pytester.path / "where.txt").read_text().split())
-    zygote = servers.preloaded_server(TORCH, environ=_START_ENVIRON)._forkserver_pid
-    assert parent == (zygote if rank_servers else inner) and server not in (inner, zygote)
+    inner, server, stage, parent = map(int, (pytester.path / "where.txt").read_text().split())
+    zygote = servers.preloaded_server(servers.ROOT_PRELOAD, environ=_START_ENVIRON)._forkserver_pid
+    assert parent == (zygote if rank_servers else inner) and len({inner, server, stage, zygote}) == 4
