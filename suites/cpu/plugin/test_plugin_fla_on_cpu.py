@@ -57,7 +57,6 @@ def test_plain(spawn):
 '''
 
 
-@pytest.mark.slow  # the first inner run starts the fork server that imports fla (about 9 s of CPU)
 def test_fixture_on_in_test_and_ranks_only_where_asked(pytester):
     result, outcomes = _run(pytester, "no option")
     assert {t: outcomes[t] for t in ("test_fixture", "test_plain")} == {

@@ -47,7 +47,6 @@ def test_ranks_import_triton(spawn):
 SUMMARY = re.compile(r"^=+ 2 passed in [\d.]+s( \(\d+:\d\d:\d\d\))? =+$")
 
 
-@pytest.mark.slow  # a cold interpreter: the leak check runs only at a real exit
 def test_the_summary_is_the_last_line(pytester):
     pytester.makepyfile(test_triton_run=RUN)
     env = {k: v for k, v in os.environ.items() if k not in ("PYTEST_ADDOPTS", "PYTEST_XDIST_WORKER")}
