@@ -118,3 +118,36 @@ def cp_group(cp_size):
         return dist.group.WORLD
     groups = [dist.new_group(list(range(first, first + cp_size))) for first in range(0, dist.get_world_size(), cp_size)]
     return groups[dist.get_rank() // cp_size]
+
+
+def rank_cases(cases_by_cp):
+    """On a rank of a spawn over max(CP sizes) ranks: (cp_size, group, case, index) for every case
+    of every CP size, with this rank's CP group and the global indices of its tokens."""
+    import torch.distributed as dist
+
+    for cp_size, cases in cases_by_cp.items():
+        group = cp_group(cp_size)
+        rank = dist.get_rank(group)
+        for case in cases:
+            yield cp_size, group, case, local_index(int(case["cu"][-1]), rank, cp_size, case["layout"])
+
+
+def cp_groups(world, cp_size):
+    """Each CP group's global ranks, as cp_group makes them."""
+    return [range(first, first + cp_size) for first in range(0, world, cp_size)]
+
+
+def assemble(pieces, total, cp_size, layout, summed):
+    """One CP group's outputs (dicts, in group-rank order) as one process's: the keys in `summed`
+    (per-rank partial sums: parameter gradients) added, token tensors back in global order (dim 1)."""
+    order = torch.cat([local_index(total, r, cp_size, layout) for r in range(cp_size)])
+    whole = {}
+    for key in pieces[0]:
+        parts = [p[key] for p in pieces]
+        if key in summed:
+            whole[key] = torch.stack(parts).sum(0)
+        else:
+            joined = torch.cat(parts, dim=1)
+            whole[key] = torch.empty_like(joined)
+            whole[key][:, order] = joined
+    return whole

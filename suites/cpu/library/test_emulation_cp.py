@@ -4,7 +4,7 @@ and zigzag layouts, outputs and gradients against the single-process result (<= 
 
 import torch
 
-from emulation_cases import CP_CASES, F64, OPS, RTOL_CP, cp_group, local_index, packed_inputs
+from emulation_cases import CP_CASES, F64, OPS, RTOL_CP, assemble, cp_groups, packed_inputs, rank_cases
 from linattn.emulation import cp as emulation_cp, delta_rules as emu
 from linattn.reference import short_conv
 from pytest_linattn import assert_parity
@@ -33,7 +33,6 @@ def _call_with_grads(op, case, index=None, **kwargs):
 
 def _run_cp_ops(cases_by_cp):
     """On every rank, under fla_on_cpu: fla's chunk_kda / chunk_gated_delta_rule with cp_context."""
-    import torch.distributed as dist
     from fla.ops.cp import build_cp_context
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
     from fla.ops.kda import chunk_kda
@@ -41,18 +40,13 @@ def _run_cp_ops(cases_by_cp):
     assert chunk_kda is emu.PATCHES["fla.ops.kda.chunk:chunk_kda"]
     ops = {"chunk_kda": chunk_kda, "chunk_gated_delta_rule": chunk_gated_delta_rule}
     results = {}
-    for cp_size, cases in cases_by_cp.items():
-        group = cp_group(cp_size)
-        rank = dist.get_rank(group)
-        results[cp_size] = []
-        for case in cases:
-            index = local_index(int(case["cu"][-1]), rank, cp_size, case["layout"])
-            ctx = build_cp_context(case["cu"], group, layout=case["layout"])
-            out = {}
-            for op_name, op in ops.items():
-                S, out[op_name] = _call_with_grads(op, case[op_name], index, cp_context=ctx)
-                assert S is None
-            results[cp_size].append(out)
+    for cp_size, group, case, index in rank_cases(cases_by_cp):
+        ctx = build_cp_context(case["cu"], group, layout=case["layout"])
+        out = {}
+        for op_name, op in ops.items():
+            S, out[op_name] = _call_with_grads(op, case[op_name], index, cp_context=ctx)
+            assert S is None
+        results.setdefault(cp_size, []).append(out)
     return results
 
 
@@ -75,20 +69,13 @@ def test_cp_matches_single_process(fla_on_cpu, spawn):
     for cp_size, cases in cases_by_cp.items():
         for i, case in enumerate(cases):
             cu, T = case["cu"], int(case["cu"][-1])
-            order = torch.cat([local_index(T, r, cp_size, case["layout"]) for r in range(cp_size)])
             for op_name in CP_OPS:
                 _, expected = _call_with_grads(OPS[op_name][0], case[op_name], cu_seqlens=cu)
-                for first in range(0, world, cp_size):  # each CP group's ranks
-                    pieces = [per_rank[r][cp_size][i][op_name] for r in range(first, first + cp_size)]
-                    got = {}
-                    for key in expected:
-                        if key in ("dA_log", "ddt_bias"):  # per-rank partial sums over CP
-                            got[key] = torch.stack([p[key] for p in pieces]).sum(0)
-                        else:
-                            got[key] = torch.empty_like(expected[key])
-                            got[key][:, order] = torch.cat([p[key] for p in pieces], dim=1)
+                for ranks in cp_groups(world, cp_size):
+                    got = assemble([per_rank[r][cp_size][i][op_name] for r in ranks], T, cp_size, case["layout"],
+                                   summed=("dA_log", "ddt_bias"))
                     assert_parity(got, expected, rtol=RTOL_CP, cu_seqlens=cu,
-                                  name=f"cp{cp_size}(ranks {first}-{first + cp_size - 1})/{case['name']}/{op_name}")
+                                  name=f"cp{cp_size}(ranks {ranks[0]}-{ranks[-1]})/{case['name']}/{op_name}")
 
 
 # ------------------------------------------------------------------------------------------
@@ -110,7 +97,6 @@ def _leaf(t):
 
 def _run_cp_conv(cases_by_cp):
     """On every rank, under fla_on_cpu: fla's causal_conv1d and ShortConvolution with cp_context."""
-    import torch.distributed as dist
     from fla.modules import ShortConvolution
     from fla.modules.causal_conv1d.ops import causal_conv1d
     from fla.ops.cp import build_cp_context
@@ -118,37 +104,32 @@ def _run_cp_conv(cases_by_cp):
 
     assert build_cp_context is emulation_cp.PATCHES["fla.ops.cp.context:build_cp_context"]
     results = {}
-    for cp_size, cases in cases_by_cp.items():
-        group = cp_group(cp_size)
-        rank = dist.get_rank(group)
-        results[cp_size] = []
-        for case in cases:
-            cu, layout = case["cu"], case["layout"]
-            index = local_index(int(cu[-1]), rank, cp_size, layout)
-            ctx = build_cp_context(cu, group, conv1d_kernel_size=W, layout=layout)
-            # a context built by fla's own function: piece_context reassembles the same partition
-            fla_ctx = get_cp_cu_seqlens(cu, group=group, conv1d_kernel_size=W, layout=layout)
-            rebuilt, piece = emulation_cp.piece_context(fla_ctx), emulation_cp.piece_context(ctx)
-            same = (torch.equal(rebuilt.cu_seqlens, piece.cu_seqlens)
-                    and rebuilt.first_seq_offset == piece.first_seq_offset)
+    for cp_size, group, case, index in rank_cases(cases_by_cp):
+        cu, layout = case["cu"], case["layout"]
+        ctx = build_cp_context(cu, group, conv1d_kernel_size=W, layout=layout)
+        # a context built by fla's own function: piece_context reassembles the same partition
+        fla_ctx = get_cp_cu_seqlens(cu, group=group, conv1d_kernel_size=W, layout=layout)
+        rebuilt, piece = emulation_cp.piece_context(fla_ctx), emulation_cp.piece_context(ctx)
+        same = (torch.equal(rebuilt.cu_seqlens, piece.cu_seqlens)
+                and rebuilt.first_seq_offset == piece.first_seq_offset)
 
-            x, residual = _leaf(case["x"][:, index]), _leaf(case["residual"][:, index])
-            weight, bias = _leaf(case["weight"]), _leaf(case["bias"])
-            y, state = causal_conv1d(x, weight, bias, residual, activation="silu", cu_seqlens=ctx.cu_seqlens,
-                                     cp_context=ctx)
-            (y * case["dy"][:, index]).sum().backward()
-            out = {"fn": dict(y=y.detach(), dx=x.grad, dresidual=residual.grad, dweight=weight.grad, dbias=bias.grad)}
+        x, residual = _leaf(case["x"][:, index]), _leaf(case["residual"][:, index])
+        weight, bias = _leaf(case["weight"]), _leaf(case["bias"])
+        y, state = causal_conv1d(x, weight, bias, residual, activation="silu", cu_seqlens=ctx.cu_seqlens,
+                                 cp_context=ctx)
+        (y * case["dy"][:, index]).sum().backward()
+        out = {"fn": dict(y=y.detach(), dx=x.grad, dresidual=residual.grad, dweight=weight.grad, dbias=bias.grad)}
 
-            layer = ShortConvolution(D, W, bias=True, activation="silu", dtype=F64)
-            with torch.no_grad():
-                layer.weight.copy_(case["weight"].unsqueeze(1))
-                layer.bias.copy_(case["bias"])
-            x = _leaf(case["x"][:, index])
-            y, _ = layer(x, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
-            (y * case["dy"][:, index]).sum().backward()
-            out["module"] = dict(y=y.detach(), dx=x.grad, dweight=layer.weight.grad[:, 0], dbias=layer.bias.grad)
-            results[cp_size].append(dict(out=out, state_is_none=state is None, fields=_fields(ctx),
-                                         rebuilt_matches=same))
+        layer = ShortConvolution(D, W, bias=True, activation="silu", dtype=F64)
+        with torch.no_grad():
+            layer.weight.copy_(case["weight"].unsqueeze(1))
+            layer.bias.copy_(case["bias"])
+        x = _leaf(case["x"][:, index])
+        y, _ = layer(x, cu_seqlens=ctx.cu_seqlens, cp_context=ctx)
+        (y * case["dy"][:, index]).sum().backward()
+        out["module"] = dict(y=y.detach(), dx=x.grad, dweight=layer.weight.grad[:, 0], dbias=layer.bias.grad)
+        results.setdefault(cp_size, []).append(dict(out=out, state_is_none=state is None, fields=_fields(ctx),
+                                                    rebuilt_matches=same))
     return results
 
 
@@ -180,19 +161,11 @@ def test_cp_conv_matches_single_process(fla_on_cpu, spawn):
             expected = {"fn": {"y": (y_conv + residual).detach(), "dx": x.grad, "dresidual": residual.grad,
                                "dweight": weight.grad, "dbias": bias.grad}}
             expected["module"] = dict(expected["fn"], y=y_conv.detach())  # no residual through the module
-            order = torch.cat([local_index(T, r, cp_size, layout) for r in range(cp_size)])
-            for first in range(0, world, cp_size):  # each CP group's ranks
-                ranks = range(first, first + cp_size)
-                label = f"cp{cp_size}(ranks {first}-{first + cp_size - 1})/{case['name']}"
+            for ranks in cp_groups(world, cp_size):
+                label = f"cp{cp_size}(ranks {ranks[0]}-{ranks[-1]})/{case['name']}"
                 for op in ("fn", "module"):
-                    got = {}
-                    for key in per_rank[first][cp_size][i]["out"][op]:
-                        pieces = [per_rank[r][cp_size][i]["out"][op][key] for r in ranks]
-                        if key in ("dweight", "dbias"):  # per-rank partial sums over CP
-                            got[key] = torch.stack(pieces).sum(0)
-                        else:
-                            got[key] = torch.empty_like(expected[op][key])
-                            got[key][:, order] = torch.cat(pieces, dim=1)
+                    got = assemble([per_rank[r][cp_size][i]["out"][op] for r in ranks], T, cp_size, layout,
+                                   summed=("dweight", "dbias"))
                     assert_parity(got, {k: expected[op][k] for k in got}, rtol=RTOL_CP, name=f"{label}/{op}",
                                   cu_seqlens=cu)
                 for group_rank, r in enumerate(ranks):
