@@ -8,12 +8,15 @@ already: the inner session is a process of its own, in pytester's directory and 
 environment, output to pytester's stdout/stderr files, but its interpreter did not start cold.
 
 For inner runs that test what a session does, not how a process starts: plugin loading, import
-costs and `fla_interpreted` (fla must not be imported yet) keep `runpytest_subprocess`, and a
-test that signals the inner pytest (Ctrl-C, SIGKILL) starts it with Popen. The inner session's
-own rank server starts cold, as before, in the test's environment: a leak tag (`tagged_processes`
-reads /proc/<pid>/environ, the environment a process was started with) marks it and its ranks,
-not the forked inner pytest itself, which the test waits for anyway. With `rank_servers=True` the
-inner session's rank servers are forked from the same server (faster, but untagged).
+costs and `fla_interpreted` (fla must not be imported yet) keep `runpytest_subprocess`. A test
+that signals the inner pytest (Ctrl-C, SIGKILL) starts it with Popen, on a warm python
+(`warm_python_command`: a process of its own whose program runs in a fork of the server); so do
+torchrun's agents and ranks (`torchrun_command`), and the inner run's `sys.executable` is one, so
+its xdist workers start warm too. The inner session's own rank server starts cold, as before, in
+the test's environment: a leak tag (`tagged_processes` reads /proc/<pid>/environ, the environment
+a process was started with, and the pids the warm python's forks recorded) marks it and its ranks.
+With `rank_servers=True` the inner session's rank servers are forked from the same server
+(faster, but untagged).
 
 Two differences from a cold start, both harmless to these tests: a module the server imported
 is not imported again (fla brings anyio, pytest's plugin: the inner run's "cannot be rewritten"
