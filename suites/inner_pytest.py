@@ -181,6 +181,8 @@ def no_leftovers(tag: str, wait: float = 60.0) -> list[int]:
     deadline = time.monotonic() + wait
     while (left := tagged_processes(tag)) and time.monotonic() < deadline:
         time.sleep(0.1)
+    if not left and os.path.exists(warm_python.forked_pids_file(tag)):
+        os.unlink(warm_python.forked_pids_file(tag))
     return left
 
 

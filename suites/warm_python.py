@@ -12,7 +12,7 @@ kills itself), as a process in the command's group would under `killpg`; and `sy
 the fork is the command, so what it starts (torchrun's ranks, xdist's workers) starts warm too.
 
 The fork runs what a cold interpreter would: the same arguments (`-c`, `-m`, a script; `-u`, `-B`,
-`-E`, `-s`, `-X`), working directory, environment and sys.path (PYTHONPATH, the interpreter's own).
+`-E`), working directory, environment and sys.path (PYTHONPATH, the interpreter's own).
 Anything else (other flags, no server address, a Python whose forkserver authenticates its
 clients) runs the real interpreter (exec), cold. /proc/<pid>/environ of a fork shows the server's
 environment, not the fork's: a fork started with LINATTN_LEAK_TAG set records its pid in
@@ -27,7 +27,7 @@ import sys
 ADDRESS_ENV = "LINATTN_WARM_PYTHON"  # the server's socket address; unset: the real interpreter runs
 REAL_PYTHON_ENV = "LINATTN_REAL_PYTHON"
 _PR_SET_PDEATHSIG = 1
-_FLAGS = {"-u", "-B", "-E", "-s"}
+_FLAGS = {"-u", "-B", "-E"}
 _command = None
 _replaced_streams = []  # the fork's inherited std streams: kept, so that no collection closes fds 0-2
 
@@ -54,7 +54,10 @@ def warm_python_command(environ: dict, server_address: str) -> str:
 
 
 def forked_pids_file(tag: str) -> str:
-    return os.path.join("/tmp", f"linattn-warm-python-{tag}.pids")
+    """Where the forks started with LINATTN_LEAK_TAG=tag record their pids."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"linattn-warm-python-{tag}.pids")
 
 
 def _real_python() -> str:
@@ -94,9 +97,6 @@ def _parse(args: list[str]):
         arg = args[i]
         if arg in _FLAGS:
             flags.add(arg)
-        elif arg == "-X" and i + 1 < len(args):
-            flags.add(f"-X{args[i + 1]}")
-            i += 1
         elif arg in ("-c", "-m") and i + 1 < len(args):
             target = args[i + 1]
             argv = ["-c" if arg == "-c" else target, *args[i + 2:]]
@@ -185,12 +185,13 @@ def _child_main(parsed, cwd: str, environ: dict, interpreter_path: list, command
         # read by OpenMP when the server loaded torch, not again: as a cold start would have it
         sys.modules["torch"].set_num_threads(int(environ["OMP_NUM_THREADS"]))
     sys.executable = command  # what this program starts with sys.executable starts warm too
-    sys.dont_write_bytecode = "-B" in flags or bool(environ.get("PYTHONDONTWRITEBYTECODE"))
-    pythonpath = [] if "-E" in flags else [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    python_env = {} if "-E" in flags else environ  # -E: the PYTHON* variables are not read
+    sys.dont_write_bytecode = "-B" in flags or bool(python_env.get("PYTHONDONTWRITEBYTECODE"))
+    pythonpath = [p for p in python_env.get("PYTHONPATH", "").split(os.pathsep) if p]
     interpreter = [p for p in interpreter_path if p not in pythonpath]
     first = os.path.dirname(os.path.abspath(target)) if kind == "script" else (os.getcwd() if kind == "-m" else "")
     sys.path[:] = [first, *pythonpath, *interpreter]
-    unbuffered = "-u" in flags or bool(environ.get("PYTHONUNBUFFERED"))
+    unbuffered = "-u" in flags or bool(python_env.get("PYTHONUNBUFFERED"))
     _replaced_streams.extend((sys.stdin, sys.stdout, sys.stderr))
     sys.stdin = io.TextIOWrapper(io.BufferedReader(io.FileIO(0, "r", closefd=False)), line_buffering=False)
     for name, fd in (("stdout", 1), ("stderr", 2)):

@@ -103,11 +103,11 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
             proc.wait()
     if sig == "SIGINT":
         assert proc.returncode == pytest.ExitCode.INTERRUPTED
+    [pytest_pid] = pids_in(Path(warm_python.forked_pids_file(tag)))  # the fork the warm python ran it in
     assert not no_leftovers(tag), f"ranks alive after {sig} of their pytest"
     # a killed pytest leaves its pool's directory; the next pool started (here, or in another
     # xdist worker first) removes it
     os.rmdir(pool._make_tmpdir())
-    [pytest_pid] = pids_in(Path(warm_python.forked_pids_file(tag)))  # the fork the warm python ran it in
     assert not glob.glob(os.path.join(tempfile.gettempdir(), f"linattn-pool-{pytest_pid}-*"))
 
 

@@ -77,6 +77,7 @@ def test_the_fork_dies_with_its_command(env):
     while process_alive(fork) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not process_alive(fork)
+    os.unlink(warm_python.forked_pids_file(tag))
 
 
 def test_what_it_cannot_run_warm_runs_on_the_real_interpreter(env):
