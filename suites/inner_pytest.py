@@ -26,15 +26,12 @@ interpreter's own), rebuilt by hand.
 from __future__ import annotations
 
 import atexit
-import ctypes
 import gc
 import os
-import signal
 import subprocess
 import sys
 import time
 import xml.etree.ElementTree as ET
-
 from pathlib import Path
 
 import pytest
@@ -107,13 +104,7 @@ def _inner_main(args, cwd, env, out, err, python):
     """In the fork: what a cold start of `python -m pytest` in `cwd` has (working directory,
     environment, sys.path, output files), pytest.main, then the interpreter's exit handlers (a
     forked process skips them) and its exit code."""
-    from multiprocessing import forkserver
-
-    server = forkserver._forkserver  # the server's "alive" pipe: the server ends with the test process
-    if server._forkserver_alive_fd is not None:
-        os.close(server._forkserver_alive_fd)
-        server._forkserver_alive_fd = None
-    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG: and this one with it
+    warm_python.leave_the_server()
     gc.freeze()  # what the server imported stays: out of the inner run's collections
     server_path = set(filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep)))
     interpreter_path = [p for p in sys.path if p and p not in server_path]

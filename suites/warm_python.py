@@ -69,7 +69,7 @@ def main(args: list[str]) -> None:
     parsed = _parse(args)
     address = os.environ.get(ADDRESS_ENV)
     if parsed is None or not address or not _fork_allowed():
-        real = os.environ.get(REAL_PYTHON_ENV) or sys.executable
+        real = _real_python()
         os.execv(real, [real, *args])
     pid, status_r = _fork(address, parsed)
     if tag := os.environ.get("LINATTN_LEAK_TAG"):
@@ -129,9 +129,9 @@ def _fork(address: str, parsed) -> tuple[int, int]:
     alive_r, alive_w = os.pipe()  # the fork's "alive" copy of the server's pipe: it closes it
     watch_r, watch_w = os.pipe()  # only this command holds watch_w: the fork dies when it closes
     devnull = os.open(os.devnull, os.O_WRONLY)  # the resource tracker's place: none here
-    environ = dict(os.environ)
+    # sys.path[2:]: not this module's folder, nor the command's (the fork's sys.path is a cold one's)
     body = ForkServerProcess(target=_child_main, name="warm-python",
-                               args=(parsed, os.getcwd(), environ, sys.path[2:], os.path.abspath(sys.argv[0])))  # not this folder, nor the command's
+                             args=(parsed, os.getcwd(), dict(os.environ), sys.path[2:], os.path.abspath(sys.argv[0])))
     buf = io.BytesIO()
     set_spawning_popen(object())  # the process object carries an authkey, pickled only while spawning
     try:
@@ -149,11 +149,24 @@ def _fork(address: str, parsed) -> tuple[int, int]:
     return forkserver.read_signed(parent_r), parent_r
 
 
+def leave_the_server() -> None:
+    """In a fork of a multiprocessing forkserver: close this fork's copy of the server's "alive"
+    pipe (the server ends with its test process), and die with the server. Standard library only:
+    nothing pytest rewrites is imported before the program's own pytest session."""
+    import ctypes
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    if server._forkserver_alive_fd is not None:
+        os.close(server._forkserver_alive_fd)
+        server._forkserver_alive_fd = None
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+
+
 def _child_main(parsed, cwd: str, environ: dict, interpreter_path: list, command: str) -> None:
     """In the fork: stdio, directory, environment and sys.path of a cold `python`, then the program,
     then what a real interpreter's exit runs (a fork skips it)."""
     import atexit
-    import ctypes
     import gc
     import io
     import runpy
@@ -165,9 +178,7 @@ def _child_main(parsed, cwd: str, environ: dict, interpreter_path: list, command
         os.dup2(fd, target)
         os.close(fd)
     watch = fds[3]
-    os.close(forkserver._forkserver._forkserver_alive_fd)
-    forkserver._forkserver._forkserver_alive_fd = None
-    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)  # and with the server
+    leave_the_server()
 
     def die_with_the_command():
         os.read(watch, 1)  # EOF: the command is gone
