@@ -144,15 +144,17 @@ def pids_in(path) -> list[int]:
     return [int(p) for line in path.read_text().split("\n") for p in line.split()]
 
 
+def forked_pids(tag: str) -> list[int]:
+    """The pids of the warm python's forks started with LINATTN_LEAK_TAG=tag, alive or not."""
+    path = Path(warm_python.forked_pids_file(tag))
+    return pids_in(path) if path.exists() else []
+
+
 def tagged_processes(tag: str) -> list[int]:
     """Live processes started with LINATTN_LEAK_TAG=tag in their environment: the inner pytest
     run's ranks and anything else it started (a warm python's fork: by the pid it recorded)."""
     needle = f"LINATTN_LEAK_TAG={tag}".encode()
-    found = []
-    try:
-        found = [pid for pid in pids_in(Path(warm_python.forked_pids_file(tag))) if process_alive(pid)]
-    except FileNotFoundError:
-        pass
+    found = [pid for pid in forked_pids(tag) if process_alive(pid)]
     for d in os.listdir("/proc"):
         if not d.isdigit() or int(d) == os.getpid():
             continue

@@ -12,12 +12,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from pathlib import Path
 
 import pytest
 
-import warm_python
-from inner_pytest import LONG_WAIT, no_leftovers, pids_in, process_alive, runpytest_forked, warm_python_command
+from inner_pytest import LONG_WAIT, forked_pids, no_leftovers, pids_in, process_alive, runpytest_forked, warm_python_command
 from pytest_linattn.ranks import pool
 
 pytest_plugins = ["pytester"]
@@ -103,7 +101,7 @@ def test_no_rank_outlives_its_pytest(pytester, sig):
             proc.wait()
     if sig == "SIGINT":
         assert proc.returncode == pytest.ExitCode.INTERRUPTED
-    [pytest_pid] = pids_in(Path(warm_python.forked_pids_file(tag)))  # the fork the warm python ran it in
+    [pytest_pid] = forked_pids(tag)  # the fork the warm python ran it in
     assert not no_leftovers(tag), f"ranks alive after {sig} of their pytest"
     # a killed pytest leaves its pool's directory; the next pool started (here, or in another
     # xdist worker first) removes it

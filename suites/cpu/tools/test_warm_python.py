@@ -9,12 +9,11 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
 import warm_python
-from inner_pytest import pids_in, process_alive, warm_python_command
+from inner_pytest import forked_pids, process_alive, warm_python_command
 
 REPORT = ("import json, os, sys; print(json.dumps(dict(argv=sys.argv, path=sys.path, cwd=os.getcwd(), "
           "env=os.environ.get('WARM_CHECK'), torch='torch' in sys.modules, line=sys.stdin.readline())))")
@@ -69,7 +68,7 @@ def test_the_fork_dies_with_its_command(env):
     proc = subprocess.Popen([warm, "-c", "import time; print('up', flush=True); time.sleep(600)"], env=environ,
                             stdout=subprocess.PIPE, text=True)
     assert proc.stdout.readline() == "up\n"
-    [fork] = pids_in(Path(warm_python.forked_pids_file(tag)))
+    [fork] = forked_pids(tag)
     assert fork != proc.pid and process_alive(fork)
     proc.kill()
     proc.wait()
