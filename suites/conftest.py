@@ -20,7 +20,7 @@ _WORKERS = pytest.StashKey[list]()
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = load_suites(ROOT)
 
-# Helpers shared by the tests of several suites (layer_parity.py) live here: importable by name
+# Helpers shared by the tests of several suites (cases/layer_parity.py) live here: importable by name
 # under any --import-mode (prepend puts this folder on sys.path by itself, importlib does not).
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))

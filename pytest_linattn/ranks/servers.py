@@ -134,7 +134,7 @@ def _new_server(stage: forkserver.ForkServer | None) -> forkserver.ForkServer:
 
 class _ForkedServer(forkserver.ForkServer):
     """A server forked by another: a stage of this process, or the server this process is itself a
-    fork of (CHAIN_ENV=forked: a pytest run of suites/inner_pytest.py); so it starts with that
+    fork of (CHAIN_ENV=forked: a pytest run of suites/tools/inner_pytest.py); so it starts with that
     one's imports instead of cold. It is that server's child, not this process's: watched through
     the exit status that one sends. It exits when this process closes its "alive" pipe or dies, as
     a cold one does."""

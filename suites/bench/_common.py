@@ -18,7 +18,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
-# runnable from a bare checkout: the library from the repository, layer_parity from suites/
+# runnable from a bare checkout: the library from the repository, cases.layer_parity from suites/
 for _path in (str(ROOT), str(ROOT / "suites")):
     if _path not in sys.path:
         sys.path.insert(0, _path)

@@ -23,7 +23,7 @@ def full_weights(shape: str, seed: int) -> dict:
     """The replicated layer's weights (suites/layer_parity.random_state_dict, fla's init), float32."""
     key = (shape, seed)
     if key not in _WEIGHTS:
-        from layer_parity import random_state_dict
+        from cases.layer_parity import random_state_dict
 
         _WEIGHTS.clear()
         _WEIGHTS[key] = {n: t.float() for n, t in random_state_dict(make_config(shape), seed, fla_init=True).items()}
@@ -53,7 +53,7 @@ def build_case(case: dict, tp_group=None, cp_group=None, *, sharded=True):
     """This rank's layer and tokens for `case`: (layer, x, dy, cu_seqlens on the device).
 
     sharded=False: the replicated layer on the whole batch (the reference of the error columns)."""
-    from layer_parity import local_tokens
+    from cases.layer_parity import local_tokens
     from linattn.layers import build_layer, shard_state_dict
     from linattn.parallel import group_rank
 

@@ -32,7 +32,7 @@ QUICK = dict(shapes="qwen3-next,kimi-k3", tokens="16k")
 @oom_as_row
 def layer_case(case: dict) -> dict:
     """Rank function: time this rank's shard, then compare it with the replicated layer."""
-    from layer_parity import local_tokens
+    from cases.layer_parity import local_tokens
     from linattn.parallel import group_rank
 
     out = {"status": "ok"}

@@ -9,8 +9,8 @@ call, then --steps decode steps in --dtype, each from the state the previous ret
 errors are `pytest_linattn.harness.long_decode_errors`, the ones `assert_long_decode_parity`
 judges: per decode step t, the relative error over every sequence of the outputs and of each
 state field (the float64 serial run through the layer's decode step: its forward's result to
-~1e-15, in a fraction of the time). The layer is the CPU suites' tiny layer (layer_parity.make_config) on a CPU and the
-GPU suites' (layer_parity.gpu_config, fla's init, bf16-rounded weights) on CUDA.
+~1e-15, in a fraction of the time). The layer is the CPU suites' tiny layer (cases.layer_parity.make_config) on a CPU and the
+GPU suites' (cases.layer_parity.gpu_config, fla's init, bf16-rounded weights) on CUDA.
 
 --plant bf16-state adds the same run with the recurrent state stored in bf16 after every token
 (dashed in the plot), against the layer that keeps it in float32.
@@ -36,7 +36,7 @@ import torch
 from _common import DTYPES, machine, print_table
 from _decode_plants import PLANTS
 from _timing import first_line
-from layer_parity import FAMILIES, GPU_PARALLEL_FAMILIES, gpu_config, linattn_state_path, make_config, random_state_dict
+from cases.layer_parity import FAMILIES, GPU_PARALLEL_FAMILIES, gpu_config, linattn_state_path, make_config, random_state_dict
 from linattn.layers import build_layer
 from plot import plot
 from pytest_linattn import autotune

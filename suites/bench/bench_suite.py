@@ -10,7 +10,7 @@ emulation, and every emulated fla op's time against the linattn.reference op it 
 - pool: a PoolManager's 4-rank pool started by a call under `fla_on_cpu()` (every rank enters the
   emulation, which imports fla), then a second pool of the same manager (the first closed), as a
   session starts one after a broken pool or another world size.
-- case: `assert_sharded_parity` of fla-based layers (suites/fla_clients.py) under the emulation:
+- case: `assert_sharded_parity` of fla-based layers (suites/clients/fla_layers.py) under the emulation:
   a head-sharded GDN at TP 2 and fla's KDA at CP 2; CPU seconds of this process plus its ranks
   (read from /proc), the first case of a fresh pool (it pays the pool's start) and warm ones.
 - ops: each emulated op (fwd+bwd, float64) and the linattn.reference op it wraps at the same
@@ -149,7 +149,7 @@ def pool_start(args) -> list[dict]:
 
 
 def _cases():
-    from fla_clients import fla_gdn_client, fla_kda_client, fla_layer
+    from clients.fla_layers import fla_gdn_client, fla_kda_client, fla_layer
     from pytest_linattn import Placement
 
     gdn, gdn_config, _ = fla_layer("gdn", seed=41)
@@ -161,7 +161,7 @@ def _cases():
 
 
 def fla_cases(args) -> list[dict]:
-    from fla_clients import fla_forward
+    from clients.fla_layers import fla_forward
 
     from linattn.emulation import fla_on_cpu
     from pytest_linattn import assert_sharded_parity

@@ -1,5 +1,5 @@
 """sha256 of one bf16 GPU layer case's output, dx and parameter gradients (gpu-1's inputs, weights
-and shapes: layer_parity.BF16_CASES), to show that two machines pick the same kernels and so
+and shapes: cases.layer_parity.BF16_CASES), to show that two machines pick the same kernels and so
 compute the same bits. The case runs --repeat times in this process: equal hashes across repeats
 say the kernels are run-to-run deterministic too; a tensor whose hash differs between repeats is
 named (atomics in a backward kernel, say), so a difference between machines can be read right.
@@ -38,9 +38,9 @@ def tensor_sha256(t) -> str:
 def run_case(case: str) -> dict[str, str]:
     """One forward + backward of the case's bf16 layer on cuda; {tensor name: sha256}."""
     import torch
-    from layer_parity import BF16_CASES, BF16_CU_SEQLENS, build_layer, gpu_config, random_state_dict, run_layer
+    from cases.layer_parity import BF16_CASES, BF16_CU_SEQLENS, build_layer, gpu_config, random_state_dict, run_layer
 
-    # the same weights and inputs as layer_parity.check_bf16_layer draws for this case
+    # the same weights and inputs as cases.layer_parity.check_bf16_layer draws for this case
     family, ratio, extra = BF16_CASES[case]
     config = gpu_config(family, ratio, **extra)
     seed = 2026 + list(BF16_CASES).index(case)

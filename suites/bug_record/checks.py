@@ -13,20 +13,20 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    (suites/cpu/library/test_layer_math.py's oracle, recurrent mode)
     continuation   assert_continuation_parity at TP 2: chunked prefill and decode vs one forward
     continuation-fp32  the same with the ranks' layer in float32 (<= 1e-5)
-    state-pool     assert_state_pool_parity at TP 2: the slot-pool client (suites/state_pool_clients.py),
+    state-pool     assert_state_pool_parity at TP 2: the slot-pool client (suites/clients/state_pool.py),
                    2 sequences live at once (slots freed and reused), decode padded to 4 rows
     state-pool-prefix  assert_state_pool_parity at TP 2 in prefix mode: blocks of 4 tokens, 2 prefix
                    hits (one with a 2-token chunk, shorter than W-1), snapshots and shared blocks checked
     spec-decode    assert_spec_decode_parity at TP 2: the slot-pool client with verify and accept
-                   (suites/spec_decode_clients.py), 3 drafts per verify call, 0..3 accepted
+                   (suites/clients/spec_decode.py), 3 drafts per verify call, 0..3 accepted
     long-decode    assert_long_decode_parity at TP 1, float32 ranks: 2 sequences, a 5-token
                    prefill, 32 decode steps (the state-dtype rule and the error bound)
     padded         assert_padded_continuation_parity at TP 2: the padded-batch client
-                   (suites/padded_clients.py), left padded, pad runs straddling call boundaries
+                   (suites/clients/padded.py), left padded, pad runs straddling call boundaries
     recompute      assert_sharded_parity at TP 2 with recompute='non-reentrant': the layer under
                    torch.utils.checkpoint, its replay's collectives and gradients against the run without it
     isolation      assert_document_isolation: the layers in a two-block decoder stack
-                   (suites/isolation_clients.py) fed position_ids only, as a packing collator
+                   (suites/clients/isolation.py) fed position_ids only, as a packing collator
                    gives them; one token of each document perturbed, the others bitwise unchanged
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
@@ -46,16 +46,16 @@ from pathlib import Path
 
 import torch
 
-from layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
+from cases.layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
 from linattn.layers import build_layer
-from padded_clients import linattn_padded_path
+from clients.padded import linattn_padded_path
 from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, TrainingStep, assert_continuation_parity,
                                     assert_padded_continuation_parity, assert_sharded_parity,
                                     assert_spec_decode_parity, assert_state_pool_parity, assert_training_parity)
 from pytest_linattn.harness.long_decode import assert_long_decode_parity
 from pytest_linattn.parity import assert_parity
-from spec_decode_clients import linattn_spec_path
-from state_pool_clients import linattn_pool_path
+from clients.spec_decode import linattn_spec_path
+from clients.state_pool import linattn_pool_path
 
 CONFIG = make_config("qwen3_5", 2)
 RTOL = 1e-10
@@ -208,7 +208,7 @@ ISOLATION_DOCUMENTS = [6, 5, 7]  # each longer than the conv's reach (W - 1 = 3 
 def isolation(stack_class=None):
     """The document-isolation check on a decoder stack of the record's layer (`stack_class` a
     planted decoder), boundaries fed as position_ids only."""
-    from isolation_clients import DecoderStack, stack_call
+    from clients.isolation import DecoderStack, stack_call
     from pytest_linattn.harness import assert_document_isolation
 
     stack = (stack_class or DecoderStack)(CONFIG, seed=SEED)

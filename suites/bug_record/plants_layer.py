@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from layer_parity import linattn_layer
+from cases.layer_parity import linattn_layer
 from linattn.layers import GatedDeltaNet, build_layer, shard_state_dict
 from linattn.parallel import cp
 from linattn.parallel.cp import conv as cp_conv

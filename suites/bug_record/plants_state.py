@@ -19,8 +19,8 @@ import torch.nn.functional as F
 
 from linattn import kernels
 from linattn.layers import GatedDeltaNet, LayerState
-from padded_clients import padded_forward, run_rows
-from state_pool_clients import pool_prefill
+from clients.padded import padded_forward, run_rows
+from clients.state_pool import pool_prefill
 
 
 def _rows_where(mask, rows, other):

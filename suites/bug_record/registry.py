@@ -26,11 +26,11 @@ from collections.abc import Callable
 from bug_record import plants_layer as L
 from bug_record import plants_state as S
 from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
-from isolation_clients import IgnoresPositionIds
+from clients.isolation import IgnoresPositionIds
 from pytest_linattn.harness import TrainingStep
-from padded_clients import linattn_padded_path
-from spec_decode_clients import linattn_spec_path
-from state_pool_clients import linattn_pool_path
+from clients.padded import linattn_padded_path
+from clients.spec_decode import linattn_spec_path
+from clients.state_pool import linattn_pool_path
 
 __all__ = ["BUGS", "Bug", "Report", "by_key"]
 

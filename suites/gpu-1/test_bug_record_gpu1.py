@@ -10,7 +10,7 @@ the tensor and where): dy read with contiguous strides; dweight from batch row 0
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 

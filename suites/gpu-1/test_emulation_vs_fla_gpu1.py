@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from layer_parity import GPU_HEADS  # noqa: E402
+from cases.layer_parity import GPU_HEADS  # noqa: E402
 from linattn import selection  # noqa: E402
 from linattn.emulation import fla_on_cpu  # noqa: E402
 from pytest_linattn import assert_parity  # noqa: E402

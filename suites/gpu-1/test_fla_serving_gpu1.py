@@ -1,4 +1,4 @@
-"""The serving client on fla's KDA ops (suites/fla_serving_clients.py: chunk_kda for prefill,
+"""The serving client on fla's KDA ops (suites/clients/fla_serving.py: chunk_kda for prefill,
 fused_recurrent_kda_fwd with `ssm_state_indices` in place on a state pool for decode) on fla's
 real kernels in bf16 on one GPU, through `assert_state_pool_parity` against linattn's replicated
 float64 layer (weights rounded to bf16 first), at BF16_RTOL: every token's output, every
@@ -11,12 +11,12 @@ import functools
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from fla_serving_clients import fla_pool_path  # noqa: E402
-from layer_parity import gpu_config, random_state_dict  # noqa: E402
+from clients.fla_serving import fla_pool_path  # noqa: E402
+from cases.layer_parity import gpu_config, random_state_dict  # noqa: E402
 from linattn.layers import build_layer  # noqa: E402
 from pytest_linattn.harness import Placement, SequencePlan, assert_state_pool_parity  # noqa: E402
 

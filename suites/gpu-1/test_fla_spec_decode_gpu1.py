@@ -1,4 +1,4 @@
-"""Speculative decoding through fla's KDA serving kernel (suites/fla_spec_decode_clients.py: verify
+"""Speculative decoding through fla's KDA serving kernel (suites/clients/fla_spec_decode.py: verify
 calls on `fused_recurrent_kda_fwd` with `ssm_state_indices` `[N, 1 + K]`, a slot per token, and
 `num_accepted_tokens` picking the column the next call starts from; prefill on `chunk_kda`) on
 fla's real kernels in bf16 on one GPU, through `assert_spec_decode_parity` against linattn's
@@ -15,12 +15,12 @@ import functools
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from fla_spec_decode_clients import fla_spec_path  # noqa: E402
-from layer_parity import gpu_config, random_state_dict  # noqa: E402
+from clients.fla_spec_decode import fla_spec_path  # noqa: E402
+from cases.layer_parity import gpu_config, random_state_dict  # noqa: E402
 from linattn.layers import build_layer  # noqa: E402
 from pytest_linattn.harness import Placement, SpecPlan, assert_spec_decode_parity  # noqa: E402
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from layer_parity import GPU_HEADS  # noqa: E402
+from cases.layer_parity import GPU_HEADS  # noqa: E402
 from linattn import kernels, reference, selection  # noqa: E402
 from pytest_linattn import assert_parity  # noqa: E402
 
@@ -24,7 +24,7 @@ DEVICE = "cuda"
 
 pytestmark = pytest.mark.gpus(1)
 
-# (key heads, value heads): the GPU layer suites' replicated layer (layer_parity.GPU_HEADS), whose
+# (key heads, value heads): the GPU layer suites' replicated layer (cases.layer_parity.GPU_HEADS), whose
 # kernels the layer tests then reuse (the head count is a compile-time constant in fla's kernels)
 H_FULL, HV_FULL, K_DIM, V_DIM = GPU_HEADS
 HEADS = [(H_FULL, HV_FULL)]

@@ -8,12 +8,12 @@ Both layouts; zigzag goes through the all-to-all relayout.
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from cp_op_parity import check_cases, make_case, run_cases_on_rank
-from layer_parity import GPU_HEADS  # the CP layer tests have already tuned the CP kernels for this head shape
+from cases.cp_ops import check_cases, make_case, run_cases_on_rank
+from cases.layer_parity import GPU_HEADS  # the CP layer tests have already tuned the CP kernels for this head shape
 from linattn.parallel import cp
 from pytest_linattn.seqlens import packed_seqlens
 

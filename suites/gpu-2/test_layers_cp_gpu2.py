@@ -2,7 +2,7 @@
 context, linattn.parallel.cp.fla) against the float64 replicated layer on the CPU, same weights
 and inputs, in the contiguous and the zigzag layout: output, dx and every parameter gradient
 (summed over the CP ranks) <= 2e-2 relative. One spawn call per family runs every case; cases are
-suites/layer_parity.py's, the checks the public harness's (pytest_linattn.harness).
+suites/cases/layer_parity.py's, the checks the public harness's (pytest_linattn.harness).
 
 Packings from the plugin's packed_seqlens (seeded): contiguous with a sequence crossing the CP
 edge, and with a boundary exactly on it; zigzag with every length divisible by 2 * cp.
@@ -11,12 +11,12 @@ edge, and with a boundary exactly on it; zigzag with every length divisible by 2
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
-from layer_parity import gpu_config, make_case  # noqa: E402
+from cases.layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
+from cases.layer_parity import gpu_config, make_case  # noqa: E402
 from pytest_linattn.harness import assert_parity_cases  # noqa: E402
 from pytest_linattn.seqlens import packed_seqlens  # noqa: E402
 

@@ -12,12 +12,12 @@ float64 at 1e-10, and that planted state bugs fail them.
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
-from layer_parity import gpu_config, linattn_state_path, random_state_dict  # noqa: E402
+from cases.layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
+from cases.layer_parity import gpu_config, linattn_state_path, random_state_dict  # noqa: E402
 from linattn.layers import build_layer  # noqa: E402
 from pytest_linattn.harness import Placement, assert_continuation_parity  # noqa: E402
 

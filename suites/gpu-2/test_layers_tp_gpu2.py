@@ -1,18 +1,18 @@
 """TP = 2 over NCCL, bf16 layers on two GPUs (sequence parallel on and off) against the float64
 replicated layer on the CPU, same weights and inputs: output, dx and every parameter gradient
 (unsharded) <= 2e-2 relative. One spawn call per family runs both SP settings. Cases are
-suites/layer_parity.py's; the checks the public harness's (pytest_linattn.harness).
+suites/cases/layer_parity.py's; the checks the public harness's (pytest_linattn.harness).
 """
 
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
-from layer_parity import gpu_config, make_case  # noqa: E402
+from cases.layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
+from cases.layer_parity import gpu_config, make_case  # noqa: E402
 from pytest_linattn.harness import assert_parity_cases  # noqa: E402
 
 pytestmark = pytest.mark.gpus(2)

@@ -1,11 +1,11 @@
 """fla's GatedDeltaNet2, RWKV7Attention, PrecondKDA, GatedDeltaProduct and PrecondGatedDeltaNet
-sharded as a team would (the fla-op clients of suites/gdn2_clients.py, rwkv7_clients.py,
-precond_clients.py, delta_product_clients.py) on four ranks with fla's Triton kernels, bf16,
+sharded as a team would (the fla-op clients of suites/clients/gdn2.py, clients/rwkv7.py,
+clients/precond.py, clients/delta_product.py) on four ranks with fla's Triton kernels, bf16,
 against the same client replicated, float64, on the CPU (fla's ops on linattn's float64
 references there), same bf16-rounded weights and inputs: TP 4, CP 4 (fla's contiguous and zigzag
 layouts) and TP 2 x CP 2 (both layouts). Output, dx and every parameter gradient (summed over CP,
 unsharded over TP) <= 2e-2 (PrecondKDA: 4e-2, RTOL_OF says why), and RWKV-7's failing zigzag
-placement in float32 (<= 5e-3) to tell bf16's rounding from a kernel's error. Head shapes: suites/fla_family_cases.py (4 key heads x 64, hidden
+placement in float32 (<= 5e-3) to tell bf16's rounding from a kernel's error. Head shapes: suites/cases/fla_families.py (4 key heads x 64, hidden
 256), 256 tokens. The preconditioned clients' recurrence crosses CP ranks by the clients' own
 state passing (fla's preconditioned ops refuse cp_context): fla's kernels with an initial state
 and an initial ATK state, both final states out, their gradients back over send / recv.
@@ -21,11 +21,11 @@ backward is its own (no chunk_bwd_dqkwg).
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from fla_family_cases import PLACEMENTS, family_cases  # noqa: E402
+from cases.fla_families import PLACEMENTS, family_cases  # noqa: E402
 from pytest_linattn import assert_parity_cases  # noqa: E402
 from pytest_linattn.harness.reruns import keep_references  # noqa: E402
 

@@ -5,18 +5,18 @@ off). Output, dx and every parameter gradient (summed over CP, unsharded over TP
 
 One spawn call per family runs every placement on the same world (new_groups per placement);
 cases with the same packing share weights, inputs and one float64 reference. Cases are
-suites/layer_parity.py's, the checks the public harness's (pytest_linattn.harness).
+suites/cases/layer_parity.py's, the checks the public harness's (pytest_linattn.harness).
 """
 
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
-from layer_parity import gpu_config, make_case  # noqa: E402
+from cases.layer_parity import GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
+from cases.layer_parity import gpu_config, make_case  # noqa: E402
 from pytest_linattn.harness import assert_parity_cases  # noqa: E402
 from pytest_linattn.seqlens import packed_seqlens  # noqa: E402
 

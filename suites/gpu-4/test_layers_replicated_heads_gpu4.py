@@ -8,12 +8,12 @@ The CPU suite's float64 twin: suites/cpu/library/test_layers_tp_replicated_heads
 import pytest
 import torch
 
-from gpu_suite import BF16_RTOL as RTOL, require_cuda_and_fla
+from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from layer_parity import GPU_HEADS, GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
-from layer_parity import make_case  # noqa: E402
+from cases.layer_parity import GPU_HEADS, GPU_PARALLEL_FAMILIES as FAMILIES  # noqa: E402
+from cases.layer_parity import make_case  # noqa: E402
 from linattn.layers import LinearAttentionConfig  # noqa: E402
 from pytest_linattn.harness import assert_parity_cases  # noqa: E402
 from pytest_linattn.seqlens import packed_seqlens  # noqa: E402

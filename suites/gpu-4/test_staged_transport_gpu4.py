@@ -1,5 +1,5 @@
 """Every torch.distributed entry point on CUDA tensors of 4 ranks sharing one GPU (the staged
-transport, --linattn-ranks-per-gpu 4): suites/staged_ops.py's checks, which the cpu suite runs
+transport, --linattn-ranks-per-gpu 4): suites/cases/staged_ops.py's checks, which the cpu suite runs
 on CPU tensors. Where each rank has a GPU of its own the ranks run NCCL, and this test skips."""
 
 import pytest
@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("no CUDA device", allow_module_level=True)
 
-from staged_ops import check_ranks_sharing_a_gpu  # noqa: E402
+from cases.staged_ops import check_ranks_sharing_a_gpu  # noqa: E402
 
 pytestmark = pytest.mark.gpus(4)
 

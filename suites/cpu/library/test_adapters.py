@@ -18,7 +18,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import pytest
 import torch
 
-from layer_parity import random_state_dict
+from cases.layer_parity import random_state_dict
 from linattn.layers import LinearAttentionConfig, build_layer
 from linattn.layers.adapters import (config_from_fla_layer, from_fla_state_dict, from_hf_state_dict,
                                      from_megatron_state_dicts, qwen3_5_to_qwen3_next, qwen3_next_to_qwen3_5,

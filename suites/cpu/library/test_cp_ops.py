@@ -3,7 +3,7 @@
 Every case shards one packed batch over the CP ranks, runs the CP op and its backward on every
 rank, puts outputs and input gradients back together (weight gradients summed over ranks) and
 compares with the reference run on the whole batch: <= 1e-10 relative in float64. Sharding and
-unsharding use the documented layout (cp_op_parity.shard / unshard, the harness's
+unsharding use the documented layout (cases.cp_ops.shard / unshard, the harness's
 rank_token_index), not cp_shard / cp_unshard, which are themselves checked against hand-written
 index lists. Several cases share one spawn call to keep the suite quick.
 
@@ -26,7 +26,7 @@ after the relayout into the contiguous layout); the conv halo is W-1 = 3 tokens.
 import pytest
 import torch
 
-from cp_op_parity import check_cases, make_case, run_cases_on_rank
+from cases.cp_ops import check_cases, make_case, run_cases_on_rank
 from linattn.parallel import cp
 from pytest_linattn.seqlens import packed_seqlens
 from pytest_linattn.harness import Placement, rank_token_index

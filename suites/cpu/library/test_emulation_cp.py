@@ -4,7 +4,7 @@ and zigzag layouts, outputs and gradients against the single-process result (<= 
 
 import torch
 
-from emulation_cases import CP_CASES, F64, OPS, RTOL_CP, assemble, cp_groups, packed_inputs, rank_cases
+from cases.emulation import CP_CASES, F64, OPS, RTOL_CP, assemble, cp_groups, packed_inputs, rank_cases
 from linattn.emulation import cp as emulation_cp, delta_rules as emu
 from linattn.reference import short_conv
 from pytest_linattn import assert_parity

@@ -140,7 +140,7 @@ def test_switch_reaches_fla_s_layer_and_restores(fla):
 def test_fla_layer_chunk_mode_matches_its_fused_recurrent_mode(fla_on_cpu):
     # fla's layer trains on chunk_gated_delta_product and decodes (eval, no grad, <= 64 tokens)
     # on fused_recurrent_gated_delta_rule over the step stream: two emulated entries, one math
-    from delta_product_clients import fla_delta_product_layer
+    from clients.delta_product import fla_delta_product_layer
 
     layer = fla_delta_product_layer(seed=14)
     x = torch.randn(1, 24, layer.hidden_size, generator=torch.Generator().manual_seed(15), dtype=F64)

@@ -180,7 +180,7 @@ def test_layer_kernels_match_fla_s_torch_references(fla):
 def test_fla_layer_chunk_mode_matches_its_fused_recurrent_mode(fla_on_cpu):
     # fla's layer trains on chunk_rwkv7 and decodes (eval, no grad, < 64 tokens) on
     # fused_mul_recurrent_rwkv7: two emulated entries, one math
-    from rwkv7_clients import fla_rwkv7_layer
+    from clients.rwkv7 import fla_rwkv7_layer
 
     layer = fla_rwkv7_layer(seed=17)
     x = torch.randn(1, 24, layer.hidden_size, generator=torch.Generator().manual_seed(18), dtype=F64)

@@ -179,7 +179,7 @@ def test_switch_reaches_fla_s_layer_and_restores(fla):
 
 def test_fla_layer_chunk_mode_matches_its_fused_recurrent_mode(fla_on_cpu):
     # fla's layer trains on chunk_gdn2 and decodes (eval, no grad, <= 64 tokens) on fused_recurrent_gdn2
-    from gdn2_clients import fla_gdn2_layer
+    from clients.gdn2 import fla_gdn2_layer
 
     layer = fla_gdn2_layer(seed=14)
     x = torch.randn(1, 24, layer.hidden_size, generator=torch.Generator().manual_seed(15), dtype=F64)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from emulation_cases import (CASES, F64, GATE, HV, KDA_OPTIONS, LENGTHS, OPS, OPTIONS, RTOL32, RTOL64, H, K, V,
+from cases.emulation import (CASES, F64, GATE, HV, KDA_OPTIONS, LENGTHS, OPS, OPTIONS, RTOL32, RTOL64, H, K, V,
                              emulated_call, expected_beta, expected_log_decay, packed_inputs)
 from linattn import reference
 from linattn.emulation import delta_rules as emu

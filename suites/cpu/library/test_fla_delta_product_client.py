@@ -1,4 +1,4 @@
-"""fla's GatedDeltaProduct sharded as a team would (suites/delta_product_clients.py) under
+"""fla's GatedDeltaProduct sharded as a team would (suites/clients/delta_product.py) under
 fla_on_cpu and the sharded-parity harness, against the same layer replicated, float64, <= 1e-10:
 TP 2, CP 2 (contiguous) and TP 2 x CP 2 (fla's zigzag), on a packing with sequences across every
 interval edge. That replicated layer against fla's own GatedDeltaProduct: <= 1e-6, the floor of
@@ -12,7 +12,7 @@ this rank's cu_seqlens instead of the CP context (no state crosses the ranks).
 import pytest
 import torch
 
-from layer_parity import report_row, run_layer_tensors
+from cases.layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -26,7 +26,7 @@ def contiguous_rows(t, heads, tp, tp_rank):
 
 
 def test_fla_delta_product_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
-    from delta_product_clients import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
+    from clients.delta_product import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
 
     layer = replicated_delta_product(fla_delta_product_layer(seed=51))
     cu = packed_seqlens(32, 5, cp_size=2, layout="fla-zigzag", seed=6)
@@ -36,7 +36,7 @@ def test_fla_delta_product_sharded_matches_replicated(fla_on_cpu, spawn, packed_
 
 
 def test_keys_sharded_across_steps_are_caught(fla_on_cpu, spawn):
-    from delta_product_clients import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
+    from clients.delta_product import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
 
     layer = replicated_delta_product(fla_delta_product_layer(seed=53))
     with capture_records(), pytest.raises(AssertionError) as info:
@@ -53,8 +53,8 @@ def test_keys_sharded_across_steps_are_caught(fla_on_cpu, spawn):
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
-    from delta_product_clients import fla_delta_product_layer, replicated_delta_product
-    from fla_clients import fla_forward
+    from clients.delta_product import fla_delta_product_layer, replicated_delta_product
+    from clients.fla_layers import fla_forward
 
     fla_layer = fla_delta_product_layer(seed=55)
     client = replicated_delta_product(fla_layer)
@@ -70,7 +70,7 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
 def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
     # the convs get fla's CP context, the op only this rank's cu_seqlens: sequence 1 crosses the
     # rank boundary and restarts from zero state on rank 1
-    from delta_product_clients import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
+    from clients.delta_product import fla_delta_product_client, fla_delta_product_layer, replicated_delta_product
 
     layer = replicated_delta_product(fla_delta_product_layer(seed=57))
     with capture_records(), pytest.raises(AssertionError) as info:

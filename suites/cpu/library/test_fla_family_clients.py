@@ -1,11 +1,11 @@
 """The fla clients of five families (GatedDeltaProduct, GatedDeltaNet2, RWKV7Attention,
-PrecondGatedDeltaNet, PrecondKDA: suites/fla_family_cases.py's CLIENTS) under fla_on_cpu, float64,
+PrecondGatedDeltaNet, PrecondKDA: suites/cases/fla_families.py's CLIENTS) under fla_on_cpu, float64,
 <= 1e-10 against the same client replicated, beyond their own files' TP 2 / CP 2 parity:
 
 - CP 4 in both of fla's layouts (contiguous, fla's zigzag), one packing (CP4_CU) with a sequence
   across three ranks' pieces.
 - The training-step check (`assert_training_parity`) at TP 2 and CP 2: two micro-batches a step,
-  the replicated weights' TP reduction and the CP sum once per step (`fla_clients.training_setup`),
+  the replicated weights' TP reduction and the CP sum once per step (`clients.fla_layers.training_setup`),
   the harness's gradient norm, clipping that bites, AdamW, 2 steps; loss, norm, every gradient and
   weight after every step.
 - The continuation check (`assert_continuation_parity`) at TP 2: the client carrying its state
@@ -25,8 +25,8 @@ from the first token read from the initial state).
 import pytest
 import torch
 
-from fla_family_cases import FAMILIES
-from layer_parity import report_row
+from cases.fla_families import FAMILIES
+from cases.layer_parity import report_row
 from pytest_linattn import (Placement, TrainingStep, assert_continuation_parity, assert_sharded_parity,
                             assert_training_parity)
 from pytest_linattn.parity import capture_records
@@ -37,7 +37,7 @@ MAX_NORM = 0.05  # under every step's gradient norm below: clipping bites
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_cp4_in_both_fla_layouts_matches_replicated(fla_on_cpu, spawn, family):
-    from fla_family_cases import CP4_CU, cpu_family
+    from cases.fla_families import CP4_CU, cpu_family
 
     layer, client = cpu_family(family, seed=81)
     placements = [Placement(cp=4), Placement(cp=4, cp_layout="fla-zigzag")]
@@ -47,8 +47,8 @@ def test_cp4_in_both_fla_layouts_matches_replicated(fla_on_cpu, spawn, family):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_training_steps_at_tp2_and_cp2_match_replicated(fla_on_cpu, spawn, family):
-    from fla_clients import training_setup
-    from fla_family_cases import TRAINING_MICRO_BATCHES, cpu_family
+    from clients.fla_layers import training_setup
+    from cases.fla_families import TRAINING_MICRO_BATCHES, cpu_family
 
     layer, client = cpu_family(family, seed=83)
     client, step = training_setup(client, steps=2, max_norm=MAX_NORM)
@@ -60,7 +60,7 @@ def test_training_steps_at_tp2_and_cp2_match_replicated(fla_on_cpu, spawn, famil
 def test_replicated_gradients_reduced_after_every_micro_batch_are_caught(fla_on_cpu, spawn):
     # the clients as the parity check runs them: after_backward all-reduces o_norm's accumulated
     # gradient after each of the two micro-batches, so the first one's part is summed twice
-    from fla_family_cases import TRAINING_MICRO_BATCHES, cpu_family
+    from cases.fla_families import TRAINING_MICRO_BATCHES, cpu_family
 
     layer, client = cpu_family("gdn2", seed=83)
     with capture_records(), pytest.raises(AssertionError) as info:
@@ -77,7 +77,7 @@ def test_replicated_gradients_reduced_after_every_micro_batch_are_caught(fla_on_
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_state_carried_across_calls_at_tp2_matches_one_forward(fla_on_cpu, spawn, family):
-    from fla_family_cases import STATE_CU, cpu_family, cpu_state_path
+    from cases.fla_families import STATE_CU, cpu_family, cpu_state_path
 
     layer, _ = cpu_family(family, seed=85)
     path, reference_forward = cpu_state_path(family)
@@ -89,7 +89,7 @@ def test_state_carried_across_calls_at_tp2_matches_one_forward(fla_on_cpu, spawn
 @pytest.mark.parametrize("family", FAMILIES)
 def test_a_state_under_cp_is_refused_naming_fla_s_refusal(fla_on_cpu, family):
     # the refusal comes before any collective: a stand-in CP group is enough
-    from fla_family_cases import cpu_family
+    from cases.fla_families import cpu_family
 
     layer, client = cpu_family(family, seed=87)
     module = client.build(Placement(cp=2), (None, object()), torch.float64, "cpu")
@@ -103,9 +103,9 @@ def test_a_state_under_cp_is_refused_naming_fla_s_refusal(fla_on_cpu, family):
 def test_delta_product_caches_sharded_in_head_blocks_are_caught(fla_on_cpu, spawn):
     # the plant: the k / v conv caches dealt to the TP ranks in head blocks, while their channels
     # are step-major like the k / v conv weights: each rank starts from other heads' cache columns
-    from delta_product_clients import fla_delta_product_client
-    from fla_clients import client_state_path
-    from fla_family_cases import STATE_CU, cpu_family
+    from clients.delta_product import fla_delta_product_client
+    from clients.fla_layers import client_state_path
+    from cases.fla_families import STATE_CU, cpu_family
 
     layer, _ = cpu_family("delta_product", seed=85)
     path = client_state_path(fla_delta_product_client(), {"conv_q": 1, "conv_k": 1, "conv_v": 1, "recurrent": 1})

@@ -1,4 +1,4 @@
-"""fla's GatedDeltaNet2 (GDN-2) sharded as a team would (suites/gdn2_clients.py) under fla_on_cpu
+"""fla's GatedDeltaNet2 (GDN-2) sharded as a team would (suites/clients/gdn2.py) under fla_on_cpu
 and the sharded-parity harness, against the same layer replicated, float64, <= 1e-10: TP 2, CP 2
 (contiguous) and TP 2 x CP 2 (fla's zigzag), on a packing with sequences across every interval
 edge. That replicated layer against fla's own GatedDeltaNet2: <= 1e-6, the floor of fla's float32
@@ -13,7 +13,7 @@ crosses the ranks).
 import pytest
 import torch
 
-from layer_parity import report_row, run_layer_tensors
+from cases.layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -23,14 +23,14 @@ FLA_FLOAT32_GATE_RTOL = 1e-6  # fla's layer computes its decay gate in float32
 
 def strided_value_heads(t, tp, tp_rank):
     """The plant: value heads dealt round-robin over the TP ranks (as if GVA grouped them "(g h)")."""
-    from gdn2_clients import SIZES
+    from clients.gdn2 import SIZES
 
     head_v_dim = int(SIZES["head_dim"] * SIZES["expand_v"])
     return t.unflatten(0, (-1, tp, head_v_dim))[:, tp_rank].flatten(0, 1)
 
 
 def test_fla_gdn2_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
-    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
+    from clients.gdn2 import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
 
     layer = replicated_gdn2(fla_gdn2_layer(seed=61))
     cu = packed_seqlens(32, 5, cp_size=2, layout="fla-zigzag", seed=6)
@@ -40,8 +40,8 @@ def test_fla_gdn2_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
-    from gdn2_clients import fla_gdn2_layer, replicated_gdn2
-    from fla_clients import fla_forward
+    from clients.gdn2 import fla_gdn2_layer, replicated_gdn2
+    from clients.fla_layers import fla_forward
 
     fla_layer = fla_gdn2_layer(seed=65)
     client = replicated_gdn2(fla_layer)
@@ -55,7 +55,7 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
 
 
 def test_write_gate_sharded_in_strided_head_order_is_caught(fla_on_cpu, spawn):
-    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
+    from clients.gdn2 import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
 
     layer = replicated_gdn2(fla_gdn2_layer(seed=63))
     with capture_records(), pytest.raises(AssertionError) as info:
@@ -73,7 +73,7 @@ def test_write_gate_sharded_in_strided_head_order_is_caught(fla_on_cpu, spawn):
 def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
     # the convs get fla's CP context, the op only this rank's cu_seqlens: sequence 1 crosses the
     # rank boundary and restarts from zero state on rank 1
-    from gdn2_clients import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
+    from clients.gdn2 import fla_gdn2_client, fla_gdn2_layer, replicated_gdn2
 
     layer = replicated_gdn2(fla_gdn2_layer(seed=67))
     with capture_records(), pytest.raises(AssertionError) as info:

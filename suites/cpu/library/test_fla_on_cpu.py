@@ -14,7 +14,7 @@ import functools
 import pytest
 import torch
 
-from layer_parity import random_state_dict, run_layer
+from cases.layer_parity import random_state_dict, run_layer
 from linattn import kernels
 from linattn.layers import LinearAttentionConfig, build_layer, from_fla_state_dict, from_hf_state_dict, to_hf_state_dict
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
@@ -53,7 +53,7 @@ def _fla_grads(layer, config):
     ("kda", {"lower_bound": -5.0, "safe_gate": True}),
 ], ids=["gated_deltanet", "kda", "kda-safe_gate"])
 def test_fla_layer_matches_project_layer(fla_on_cpu, kind, options):
-    from fla_clients import fla_layer
+    from clients.fla_layers import fla_layer
 
     layer, config, state_dict = fla_layer(kind, seed=11, **options)
     x, dy = _inputs(config.hidden_size, seed=12)
@@ -109,7 +109,7 @@ def _emulation_reached(fn, key):
 @pytest.mark.parametrize("options", [{}, {"lower_bound": -5.0, "safe_gate": True}], ids=["kda", "kda-safe_gate"])
 def test_fla_context_parallel_kda_matches_replicated(fla_on_cpu, spawn, cp_size, options):
     # fla's two CP layouts; CU_SEQLENS' sequences cross the ranks' pieces and fla-zigzag's intervals
-    from fla_clients import fla_forward, fla_kda_client, fla_layer
+    from clients.fla_layers import fla_forward, fla_kda_client, fla_layer
 
     layer, config, _ = fla_layer("kda", seed=31 + cp_size, **options)
     placements = [Placement(cp=cp_size), Placement(cp=cp_size, cp_layout="fla-zigzag")]
@@ -121,7 +121,7 @@ def test_fla_context_parallel_kda_matches_replicated(fla_on_cpu, spawn, cp_size,
 def test_fla_head_sharded_gdn_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
     # the fla client of docs/getting-started.md (at smaller sizes): TP 2, CP 2 in fla's two layouts, TP 2 x CP 2, against fla's
     # replicated GatedDeltaNet; the packing has sequences across every interval edge
-    from fla_clients import fla_forward, fla_gdn_client, fla_layer
+    from clients.fla_layers import fla_forward, fla_gdn_client, fla_layer
 
     layer, config, _ = fla_layer("gdn", seed=41)
     cu = packed_seqlens(32, 6, cp_size=2, layout="fla-zigzag", seed=5)
@@ -135,7 +135,7 @@ def test_fla_layer_fed_the_wrong_layout_says_the_layouts_differ(fla_on_cpu, spaw
     # the trap: fla's build_cp_context(layout="zigzag") under the per-sequence zigzag placement.
     # On one sequence the two layouts hold the same tokens and the layer passes; on two it fails
     # everywhere, and the message says which layout the layer has.
-    from fla_clients import fla_forward, fla_gdn_client, fla_layer
+    from clients.fla_layers import fla_forward, fla_gdn_client, fla_layer
 
     layer, config, _ = fla_layer("gdn", seed=43)
     run = functools.partial(assert_sharded_parity, spawn, fla_gdn_client(fla_layout="zigzag"), layer,

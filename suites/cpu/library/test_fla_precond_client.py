@@ -1,4 +1,4 @@
-"""fla's PrecondGatedDeltaNet and PrecondKDA sharded as a team would (suites/precond_clients.py)
+"""fla's PrecondGatedDeltaNet and PrecondKDA sharded as a team would (suites/clients/precond.py)
 under fla_on_cpu and the sharded-parity harness, against the same layer replicated, float64,
 <= 1e-10: TP 2, CP 2 (contiguous) and TP 2 x CP 2 (fla's zigzag), on a packing with sequences
 across every interval edge. fla 0.6.0's preconditioned ops refuse `cp_context`; the clients pass
@@ -15,7 +15,7 @@ passed but the ATK state not (every rank starts its preconditioner from zero).
 import pytest
 import torch
 
-from layer_parity import report_row, run_layer_tensors
+from cases.layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -32,7 +32,7 @@ def reversed_key_heads(t, tp, tp_rank):
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_fla_precond_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens, family):
-    from fla_family_cases import cpu_family
+    from cases.fla_families import cpu_family
 
     layer, client = cpu_family(family, seed=71)
     cu = packed_seqlens(32, 5, cp_size=2, layout="fla-zigzag", seed=6)
@@ -44,8 +44,8 @@ def test_fla_precond_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlen
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu, family, parameters):
     import importlib
 
-    from fla_clients import fla_forward
-    from fla_family_cases import CLIENTS
+    from clients.fla_layers import fla_forward
+    from cases.fla_families import CLIENTS
 
     module, make_fla_layer, make_replicated, _ = CLIENTS[family]
     clients = importlib.import_module(module)
@@ -84,8 +84,8 @@ def test_fla_refuses_cp_context_so_the_clients_pass_the_states():
 ], ids=["precond_gdn-atk_gate", "precond_kda-decay"])
 def test_head_sharded_weight_in_reversed_head_order_is_caught(fla_on_cpu, spawn, family, weight, output_error,
                                                               output_at):
-    from fla_family_cases import cpu_family
-    from precond_clients import fla_precond_client, fla_precond_kda_client
+    from cases.fla_families import cpu_family
+    from clients.precond import fla_precond_client, fla_precond_kda_client
 
     layer, _ = cpu_family(family, seed=73)
     client = (fla_precond_client(shard_atk_gate=reversed_key_heads) if family == "precond_gdn"
@@ -109,11 +109,11 @@ def test_head_sharded_weight_in_reversed_head_order_is_caught(fla_on_cpu, spawn,
 def test_atk_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn, family, output_at, dx_rank):
     # the recurrent state crosses the CP boundary, the ATK state does not: sequence 1 crosses it
     # and its preconditioner restarts from zero on rank 1
-    import precond_clients
-    from fla_family_cases import cpu_family
+    from clients import precond
+    from cases.fla_families import cpu_family
 
     layer, _ = cpu_family(family, seed=78)
-    make = precond_clients.fla_precond_client if family == "precond_gdn" else precond_clients.fla_precond_kda_client
+    make = precond.fla_precond_client if family == "precond_gdn" else precond.fla_precond_kda_client
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, make(passes_preconditioner=False), layer, [Placement(cp=2)], [0, 1, 12, 16],
                               hidden_size=layer.hidden_size, seed=79, rtol=RTOL, name=f"fla {family}")

@@ -1,4 +1,4 @@
-"""fla's RWKV7Attention sharded as a team would (suites/rwkv7_clients.py) under fla_on_cpu and the
+"""fla's RWKV7Attention sharded as a team would (suites/clients/rwkv7.py) under fla_on_cpu and the
 sharded-parity harness, against the same layer replicated, float64, <= 1e-10: TP 2, CP 2
 (contiguous; the token shift's previous token across the rank boundary) and TP 2 x CP 2 (fla's
 zigzag), on a packing with sequences across every interval edge. That replicated layer against
@@ -12,7 +12,7 @@ op given this rank's cu_seqlens instead of the CP context (no state crosses the 
 import pytest
 import torch
 
-from layer_parity import report_row, run_layer_tensors
+from cases.layer_parity import report_row, run_layer_tensors
 from pytest_linattn import Placement, assert_parity, assert_sharded_parity
 from pytest_linattn.parity import capture_records
 
@@ -25,14 +25,14 @@ def strided_rows(t, tp, tp_rank):
 
 
 def test_every_parameter_has_a_tp_rule(fla_on_cpu):
-    from rwkv7_clients import HEAD_ROWS, REPLICATED, fla_rwkv7_layer
+    from clients.rwkv7 import HEAD_ROWS, REPLICATED, fla_rwkv7_layer
 
     names = {n for n, _ in fla_rwkv7_layer(seed=60).named_parameters()}
     assert names == HEAD_ROWS | REPLICATED | {"o_proj.weight"} and len(names) == 26
 
 
 def test_fla_rwkv7_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens):
-    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
+    from clients.rwkv7 import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
 
     layer = replicated_rwkv7(fla_rwkv7_layer(seed=61))
     cu = packed_seqlens(32, 5, cp_size=2, layout="fla-zigzag", seed=6)
@@ -42,7 +42,7 @@ def test_fla_rwkv7_sharded_matches_replicated(fla_on_cpu, spawn, packed_seqlens)
 
 
 def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
-    from rwkv7_clients import fla_forward, fla_rwkv7_layer, replicated_rwkv7
+    from clients.rwkv7 import fla_forward, fla_rwkv7_layer, replicated_rwkv7
 
     fla_layer = fla_rwkv7_layer(seed=63)
     client = replicated_rwkv7(fla_layer)
@@ -55,7 +55,7 @@ def test_replicated_client_matches_fla_s_own_layer(fla_on_cpu):
 
 
 def test_adapter_rows_sharded_strided_are_caught(fla_on_cpu, spawn):
-    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
+    from clients.rwkv7 import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
 
     layer = replicated_rwkv7(fla_rwkv7_layer(seed=65))
     with capture_records(), pytest.raises(AssertionError) as info:
@@ -72,7 +72,7 @@ def test_adapter_rows_sharded_strided_are_caught(fla_on_cpu, spawn):
 def test_state_not_passed_across_cp_ranks_is_caught(fla_on_cpu, spawn):
     # the token shift gets fla's CP context, the op only this rank's cu_seqlens: sequence 1 crosses
     # the rank boundary and restarts from zero state on rank 1
-    from rwkv7_clients import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
+    from clients.rwkv7 import fla_rwkv7_client, fla_rwkv7_layer, replicated_rwkv7
 
     layer = replicated_rwkv7(fla_rwkv7_layer(seed=67))
     with capture_records(), pytest.raises(AssertionError) as info:

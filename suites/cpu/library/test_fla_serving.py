@@ -1,4 +1,4 @@
-"""A serving client on fla's KDA ops (suites/fla_serving_clients.py: chunk_kda for prefill,
+"""A serving client on fla's KDA ops (suites/clients/fla_serving.py: chunk_kda for prefill,
 fused_recurrent_kda_fwd with `ssm_state_indices` in place on a state pool for decode) under the
 fla_on_cpu emulation, float64, at TP 2, through `assert_state_pool_parity` against linattn's
 replicated float64 layer (<= 1e-10).
@@ -13,7 +13,7 @@ outside the pool) is refused by the emulation, naming the index.
 import pytest
 import torch
 
-from layer_parity import make_config, replicated_layer
+from cases.layer_parity import make_config, replicated_layer
 from pytest_linattn.harness import Placement, SequencePlan, assert_state_pool_parity
 from pytest_linattn.parity import capture_records
 
@@ -46,14 +46,14 @@ def check(spawn, path):
 
 @pytest.mark.tp_sizes(2)
 def test_fla_pool_client_matches_the_serial_run(spawn, fla_on_cpu, tp_size):
-    from fla_serving_clients import fla_pool_path
+    from clients.fla_serving import fla_pool_path
 
     check(spawn, fla_pool_path(CONFIG))
 
 
 @pytest.mark.tp_sizes(2)
 def test_padding_rows_run_as_sequences_are_refused(spawn, fla_on_cpu, tp_size):
-    from fla_serving_clients import fla_pool_path
+    from clients.fla_serving import fla_pool_path
 
     with capture_records(), pytest.raises(Exception, match=r"ssm_state_indices=-1\).*no padding sentinel"):
         check(spawn, fla_pool_path(CONFIG, decode=decode_running_padding_rows))

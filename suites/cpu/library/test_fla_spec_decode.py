@@ -1,4 +1,4 @@
-"""Speculative decoding through fla's KDA serving kernel (suites/fla_spec_decode_clients.py:
+"""Speculative decoding through fla's KDA serving kernel (suites/clients/fla_spec_decode.py:
 verify calls on `fused_recurrent_kda_fwd` with `ssm_state_indices` `[N, 1 + K]`, a slot per token,
 and `num_accepted_tokens` picking the column the next call starts from; prefill on `chunk_kda`)
 under the fla_on_cpu emulation, float64, at TP 2, through `assert_spec_decode_parity` against
@@ -17,7 +17,7 @@ refuses it, naming the argument.
 
 import pytest
 
-from layer_parity import make_config, replicated_layer
+from cases.layer_parity import make_config, replicated_layer
 from pytest_linattn.harness import Placement, SpecPlan, assert_spec_decode_parity
 from pytest_linattn.parity import capture_records
 
@@ -42,7 +42,7 @@ def verify_from_column_0(module, x, cu_seqlens, pool, slots, placement):
 
 def verify_one_short(module, x, cu_seqlens, pool, slots, placement):
     """num_accepted_tokens passed one short (the accepted drafts, the bonus token not counted)."""
-    from spec_decode_clients import current_slots, num_accepted
+    from clients.spec_decode import current_slots, num_accepted
 
     accepted = num_accepted(module, pool, slots)
     y, token_convs = module.pool_verify(x, cu_seqlens, pool.conv[current_slots(slots, accepted)], pool.recurrent,
@@ -58,14 +58,14 @@ def check(spawn, path):
 
 @pytest.mark.tp_sizes(2)
 def test_fla_spec_client_matches_the_serial_run(spawn, fla_on_cpu, tp_size):
-    from fla_spec_decode_clients import fla_spec_path
+    from clients.fla_spec_decode import fla_spec_path
 
     check(spawn, fla_spec_path(CONFIG, K))
 
 
 @pytest.mark.tp_sizes(2)
 def test_verify_from_column_0_is_located(spawn, fla_on_cpu, tp_size):
-    from fla_spec_decode_clients import fla_spec_path
+    from clients.fla_spec_decode import fla_spec_path
 
     with capture_records(), pytest.raises(AssertionError) as failed:
         check(spawn, fla_spec_path(CONFIG, K, verify=verify_from_column_0))
@@ -84,7 +84,7 @@ def test_verify_from_column_0_is_located(spawn, fla_on_cpu, tp_size):
 
 @pytest.mark.tp_sizes(2)
 def test_num_accepted_tokens_one_short_is_refused(spawn, fla_on_cpu, tp_size):
-    from fla_spec_decode_clients import fla_spec_path
+    from clients.fla_spec_decode import fla_spec_path
 
     with capture_records(), pytest.raises(Exception, match=r"num_accepted_tokens.*reads column -1"):
         check(spawn, fla_spec_path(CONFIG, K, verify=verify_one_short))

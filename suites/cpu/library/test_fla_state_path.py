@@ -22,7 +22,7 @@ CU = torch.tensor([0, *SEQLENS]).cumsum(0).to(torch.int32)
 @pytest.mark.parametrize("kind, options", [("gdn", {}), ("kda", {"lower_bound": -5.0, "safe_gate": True})],
                          ids=["gated_deltanet", "kda-safe_gate"])
 def test_fla_layer_with_cache_continues_as_one_forward(spawn, fla_on_cpu, kind, options, differentiable):
-    from fla_clients import fla_cached_forward, fla_layer, fla_state_path
+    from clients.fla_layers import fla_cached_forward, fla_layer, fla_state_path
 
     reference, config, _ = fla_layer(kind, seed=41, **options)
     reference.layer_idx = 0

@@ -1,6 +1,6 @@
 """Document isolation of transformers' Qwen3-Next, Qwen3.5 and Kimi Linear models (layer 0 linear
 attention, layer 1 full attention; float64 on the CPU) on a packed row, fed as a packing collator
-feeds them (isolation_clients, assert_document_isolation). Measured on transformers 5.17.0 (the
+feeds them (clients.isolation, assert_document_isolation). Measured on transformers 5.17.0 (the
 test pin) and 5.24.0; where they differ the outcome is keyed on transformers.__version__.
 
 With fla installed transformers binds fla's kernels (here under fla_on_cpu, computed by linattn's
@@ -18,7 +18,7 @@ import torch
 import transformers
 from packaging.version import Version
 
-from isolation_clients import boundary_aware_conv, hf_call, hf_model, torch_fallbacks
+from clients.isolation import boundary_aware_conv, hf_call, hf_model, torch_fallbacks
 from pytest_linattn.harness import PackedDocuments, assert_document_isolation
 
 DOCUMENTS = [5, 4, 6]  # every document longer than the conv's reach (W - 1 = 3 tokens)

@@ -1,6 +1,6 @@
 """transformers' linear-attention layers (Qwen3-Next's `Qwen3NextGatedDeltaNet`, Qwen3.5's
 `Qwen3_5GatedDeltaNet`, Kimi Linear's `KimiLinearDeltaAttention`) through the padded continuation
-check (`hf_padded_clients`): padded batches with an attention mask, a prefill cut into three calls
+check (`clients.hf_padded`): padded batches with an attention mask, a prefill cut into three calls
 and two decode steps, with transformers' own DynamicCache, float64, TP 1, fla's kernels emulated
 (fla_on_cpu), against the float64 serial run of linattn's layer of the same config over each
 row's unpadded tokens.
@@ -32,7 +32,7 @@ pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next")
 pytest.importorskip("transformers.models.qwen3_5.modeling_qwen3_5")
 pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
-from hf_padded_clients import HF_PADDED_FAMILIES, hf_padded_path, hf_reference  # noqa: E402
+from clients.hf_padded import HF_PADDED_FAMILIES, hf_padded_path, hf_reference  # noqa: E402
 from pytest_linattn.harness import Placement, assert_padded_continuation_parity  # noqa: E402
 from pytest_linattn.parity import capture_records  # noqa: E402
 

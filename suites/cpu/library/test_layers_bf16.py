@@ -2,7 +2,7 @@
 parameter gradient (the gate's A_log, dt_bias and projections included) <= 2e-2 relative.
 
 The CPU proxy of suites/gpu-1/test_layers_bf16_gpu1.py (the same cases, seeds, sizes and packing:
-layer_parity.BF16_CASES): the torch kernels compute bf16 inputs in float32, so what is left is the
+cases.layer_parity.BF16_CASES): the torch kernels compute bf16 inputs in float32, so what is left is the
 bf16 rounding of the layer's own math, the part the GPU run shares with this one.
 
 The 2e-2 bound sits above a gate or beta computed in bf16 (GDN's dt_bias gradient goes from
@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import linattn.kernels
-from layer_parity import BF16_CASES, bf16_case, check_bf16_layer
+from cases.layer_parity import BF16_CASES, bf16_case, check_bf16_layer
 from linattn.layers import build_layer, gated_rms_norm
 from pytest_linattn.parity import assert_parity
 

@@ -41,7 +41,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config, random_state_dict
+from cases.layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config, random_state_dict
 from linattn.layers import build_layer
 from linattn.parallel import new_groups
 from pytest_linattn.harness import Placement, assert_parity_cases, rank_token_index

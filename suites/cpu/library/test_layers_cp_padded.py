@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from bug_record.plants_layer import UnpaddedOffsets
-from layer_parity import FAMILIES, linattn_layer, make_case, make_config, random_state_dict
+from cases.layer_parity import FAMILIES, linattn_layer, make_case, make_config, random_state_dict
 from linattn.layers import GatedDeltaNet, build_layer
 from linattn.parallel import cp
 from pytest_linattn.harness import Placement, assert_parity_cases, assert_sharded_parity, rank_token_index

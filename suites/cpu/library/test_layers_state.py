@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 
-from layer_parity import FAMILIES, linattn_state_path, make_config, random_state_dict
+from cases.layer_parity import FAMILIES, linattn_state_path, make_config, random_state_dict
 from linattn.layers import LayerState, build_layer
 from linattn.layers import shard_layer_state as _layer_state_shard
 from linattn.layers import unshard_layer_state as _layer_state_unshard

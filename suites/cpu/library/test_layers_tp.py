@@ -5,10 +5,10 @@ sequence parallel on and off, in float64 (<= 1e-10) and float32 (<= 1e-5; a shar
 O(1) error in either). Compared:
 the output, the input gradient and every parameter gradient (the ranks' gradients unsharded with
 unshard_state_dict). Inputs are packed sequences, one of them a single token. Cases are
-suites/layer_parity.py's, shared with the CP and GPU layer tests; the checks are the public
+suites/cases/layer_parity.py's, shared with the CP and GPU layer tests; the checks are the public
 harness's (pytest_linattn.harness).
 
-Coverage, at TP 2 and 4 (variant: layer_parity.make_config's ratio, KDA options by ratio):
+Coverage, at TP 2 and 4 (variant: cases.layer_parity.make_config's ratio, KDA options by ratio):
 
     variant                                          cases
     GVA 1 (KDA: bounded gate, low-rank out gate)     SP off (float64), SP on (float32)
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config
+from cases.layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config
 from linattn.layers import LinearAttentionConfig, build_layer
 from linattn.parallel import new_groups
 from pytest_linattn.harness import assert_parity_cases

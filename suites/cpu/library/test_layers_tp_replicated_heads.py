@@ -21,7 +21,7 @@ import re
 import pytest
 import torch
 
-from layer_parity import FAMILIES, linattn_layer, make_case, random_state_dict
+from cases.layer_parity import FAMILIES, linattn_layer, make_case, random_state_dict
 from linattn.layers import GatedDeltaNet, LinearAttentionConfig, build_layer, shard_state_dict
 from linattn.parallel.mappings import copy_to_tensor_parallel_region
 from pytest_linattn.harness import Placement, assert_parity_cases, assert_sharded_parity

@@ -19,7 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import FAMILIES, linattn_layer, make_config, random_state_dict
+from cases.layer_parity import FAMILIES, linattn_layer, make_config, random_state_dict
 from linattn.layers import build_layer
 from pytest_linattn import Placement, TrainingStep, assert_training_parity
 from pytest_linattn.parity import capture_records

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from inner_pytest import runpytest_forked
+from tools.inner_pytest import runpytest_forked
 from pytest_linattn import autotune, options
 
 pytest_plugins = ["pytester"]

@@ -5,7 +5,7 @@ client is wrong (every failing placement; a gradient located by the call whose b
 wrong; the CP gradient rule when only the gradients fail under CP) or when the case cannot see
 its state (a warning).
 
-The client is linattn's layer (`layer_parity.linattn_state_path`) through wrappers defined here
+The client is linattn's layer (`cases.layer_parity.linattn_state_path`) through wrappers defined here
 (module-level: the ranks get them by reference), on a small packing so each check takes seconds.
 """
 
@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
+from cases.layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
 from linattn.layers import LayerState, build_layer
 from linattn.parallel.cp.comm import all_gather_from_cp_ranks
 from pytest_linattn.harness import (ParityCase, Placement, SequencePlan, ShardedLayer, StateInvisibleWarning,

@@ -1,4 +1,4 @@
-"""assert_document_isolation on linattn's layers inside a small decoder stack (isolation_clients):
+"""assert_document_isolation on linattn's layers inside a small decoder stack (clients.isolation):
 the right plumbing isolates documents bitwise under cu_seqlens and position_ids feeds; each
 planted plumbing bug (the decoder drops cu_seqlens, never reads position_ids, or gives the
 boundaries to the conv but not to the recurrence) is caught with the perturbed and the leaking
@@ -7,8 +7,8 @@ document and token; bad arguments and empty, NaN or non-deterministic models are
 import pytest
 import torch
 
-from isolation_clients import ConvOnlyBoundaries, DecoderStack, DropsCuSeqlens, IgnoresPositionIds, stack_call
-from layer_parity import make_config
+from clients.isolation import ConvOnlyBoundaries, DecoderStack, DropsCuSeqlens, IgnoresPositionIds, stack_call
+from cases.layer_parity import make_config
 from pytest_linattn.harness import PackedDocuments, assert_document_isolation
 
 DOCUMENTS = [6, 5, 7]  # every document longer than the conv's reach (W - 1 = 3 tokens)

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from layer_parity import linattn_layer, make_config
+from cases.layer_parity import linattn_layer, make_config
 from linattn.parallel import group_rank
 from linattn.parallel.cp import cp_token_index
 from linattn.parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,

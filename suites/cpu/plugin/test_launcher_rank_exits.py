@@ -2,7 +2,7 @@
 test_plugin_launcher.py, each a short torchrun run of its own: rank 0 (the one that reports)
 dying in a call, a rank dying between calls, a launcher stop in a teardown; and how a gone
 process is told to the ranks elsewhere. Each torchrun run's agent and
-ranks run on a warm python (inner_pytest.torchrun_command).
+ranks run on a warm python (tools.inner_pytest.torchrun_command).
 """
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from inner_pytest import BACKSTOP, LONG_WAIT, no_leftovers, one_node_torchrun
+from tools.inner_pytest import BACKSTOP, LONG_WAIT, no_leftovers, one_node_torchrun
 
 pytest_plugins = ["pytester"]
 

@@ -12,7 +12,7 @@ fails the dtype contract at the first decode step and the error bound within a f
 import pytest
 import torch
 
-from layer_parity import linattn_state_path, make_config, replicated_layer
+from cases.layer_parity import linattn_state_path, make_config, replicated_layer
 from linattn.layers import LayerState
 from pytest_linattn.harness import Placement
 from pytest_linattn.harness.long_decode import assert_long_decode_parity, decode_error_bound

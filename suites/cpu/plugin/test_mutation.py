@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-from inner_pytest import runpytest_forked
+from tools.inner_pytest import runpytest_forked
 from pytest_linattn.mutation import plan, report
 from pytest_linattn.mutation.mutations import MUTATIONS
 from pytest_linattn.ranks.reports import RankFailure, RankTimeout

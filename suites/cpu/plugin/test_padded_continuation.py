@@ -1,5 +1,5 @@
 """The padded-batch mode of the continuation check (`assert_padded_continuation_parity`) on
-linattn's layer through the padded-batch client (`padded_clients`: unpad to packed tokens and
+linattn's layer through the padded-batch client (`clients.padded`: unpad to packed tokens and
 cu_seqlens, run, repad), at TP 2, CP 2 and TP 2 x CP 2, in float64. Under CP a prefill call's
 tokens (in row order) are split over the CP ranks and a decode step runs whole on every rank.
 
@@ -15,9 +15,9 @@ the causal conv), and a right-padded prefill whose final conv state takes the pa
 import pytest
 import torch
 
-from layer_parity import make_config, replicated_layer
+from cases.layer_parity import make_config, replicated_layer
 from linattn.layers import LayerState
-from padded_clients import linattn_padded_path, padded_forward, step_rows, zero_state
+from clients.padded import linattn_padded_path, padded_forward, step_rows, zero_state
 from pytest_linattn.harness import Placement, assert_padded_continuation_parity
 from pytest_linattn.harness.padded import padded_schedule
 from pytest_linattn.parity import capture_records

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from inner_pytest import runpytest_forked
+from tools.inner_pytest import runpytest_forked
 from pytest_linattn import parity
 from pytest_linattn.parity import RECORDS, assert_parity, capture_records, format_summary, set_current_test, write_report
 

@@ -3,7 +3,7 @@ own: the emulation is on in the test process and in every rank spawn runs while 
 a test asks for it, and fla's originals are back afterwards.
 
 A cold inner run imports fla (~8 s of CPU) in its test process and, where it spawns, in its rank
-server. So the runs are forked from a server that imported fla once (inner_pytest; in-process
+server. So the runs are forked from a server that imported fla once (tools.inner_pytest; in-process
 pytester runs, which drop the modules they import but not triton's C extension, crash), and the
 tests share them: `_run` runs one inner session per name once per test process (xdist worker) and
 keeps its result; the first test that needs it runs it in its own pytester directory.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from inner_pytest import junit_outcomes, runpytest_forked
+from tools.inner_pytest import junit_outcomes, runpytest_forked
 
 pytest_plugins = ["pytester"]
 

@@ -5,7 +5,7 @@ runs; only a rank that is gone ends it. So one torchrun session holds every faul
 by a test that must pass, and ends with the fault that ends it: one node of 2 ranks, then two
 nodes of 2 ranks (two torchrun agents on this machine), one run after another, each with a hard
 timeout (the other session-ending faults: test_launcher_rank_exits.py). torchrun's agent
-and its ranks run on a warm python (inner_pytest.torchrun_command): each is a process of its own,
+and its ranks run on a warm python (tools.inner_pytest.torchrun_command): each is a process of its own,
 as in a real launch, without a cold interpreter's imports.
 """
 from __future__ import annotations
@@ -16,7 +16,7 @@ import subprocess
 import time
 from pathlib import Path
 
-from inner_pytest import (BACKSTOP, LONG_WAIT, TORCHRUN_PYTEST, finish, junit_durations, junit_outcomes, no_leftovers,
+from tools.inner_pytest import (BACKSTOP, LONG_WAIT, TORCHRUN_PYTEST, finish, junit_durations, junit_outcomes, no_leftovers,
                           one_node_torchrun, torchrun_command, torchrun_env)
 
 pytest_plugins = ["pytester"]

@@ -2,7 +2,7 @@
 
 Most runs are in-process (``pytester.runpytest``: cheap); loading checks need a fresh interpreter
 (``runpytest_subprocess``) because the entry point and ``-p`` act at start-up; runs that need a
-process of their own otherwise are forked from a server that imported torch once (inner_pytest).
+process of their own otherwise are forked from a server that imported torch once (tools.inner_pytest).
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 # extension cannot be imported a second time (this file alone failed with "bad call flags").
 import torch  # noqa: F401
 
-from inner_pytest import runpytest_forked
+from tools.inner_pytest import runpytest_forked
 from pytest_linattn import options
 
 pytest_plugins = ["pytester"]
@@ -227,7 +227,7 @@ def test_fixtures(packed_seqlens, float64_reference):
     assert packed_seqlens is s and float64_reference is f
     assert pytest_linattn.assert_parity is assert_parity
 """)
-    # A process of its own (inner_pytest): torch cannot be imported twice into one process by
+    # A process of its own (tools.inner_pytest): torch cannot be imported twice into one process by
     # in-process pytester.
     runpytest_forked(pytester).assert_outcomes(passed=1)
 

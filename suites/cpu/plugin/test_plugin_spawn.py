@@ -1,5 +1,5 @@
 """The spawn fixture and its rank pools, exercised in pytest runs of their own: forked from a server
-that imported torch once (inner_pytest), or cold subprocesses where the test signals its pytest.
+that imported torch once (tools.inner_pytest), or cold subprocesses where the test signals its pytest.
 
 Each inner run packs several scenarios into one session, because a pool start costs seconds on
 a small CPU: the same session checks that a failure is contained and the next test passes.
@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from inner_pytest import (BACKSTOP, LONG_WAIT, junit_durations, junit_outcomes, no_leftovers, pids_in,
+from tools.inner_pytest import (BACKSTOP, LONG_WAIT, junit_durations, junit_outcomes, no_leftovers, pids_in,
                           process_alive, runpytest_forked)
 
 pytest_plugins = ["pytester"]

@@ -1,6 +1,6 @@
 """Where a pool's ranks come from (pytest_linattn.ranks.servers): CPU ranks forked from a server
 forked from stages that imported torch (and fla) once, in this process's environment of now; CUDA ranks spawned; a
-forked pytest run's (suites/inner_pytest.py) rank servers cold, or forked from its own server.
+forked pytest run's (suites/tools/inner_pytest.py) rank servers cold, or forked from its own server.
 
 That no rank and no server outlives its pytest (Ctrl-C, SIGKILL) is test_spawn_pools'
 test_no_rank_outlives_its_pytest; that two xdist workers' pools never meet, its
@@ -141,10 +141,10 @@ def test_where(spawn):
 
 @pytest.mark.parametrize("rank_servers", [False, True], ids=["cold", "forked"])
 def test_a_forked_pytest_runs_rank_servers_of_its_own_or_forked_from_its_server(pytester, rank_servers):
-    """suites/inner_pytest.py: the inner session's rank server is a fork of its torch stage, which
+    """suites/tools/inner_pytest.py: the inner session's rank server is a fork of its torch stage, which
     is its own child (cold), or, with rank_servers=True, a fork of the server the inner session
     itself was forked from."""
-    from inner_pytest import _START_ENVIRON, runpytest_forked
+    from tools.inner_pytest import _START_ENVIRON, runpytest_forked
 
     pytester.makepyfile(test_where=RANK_SERVER_OF_A_FORKED_RUN)
     runpytest_forked(pytester, "-p", "pytest_linattn", rank_servers=rank_servers).assert_outcomes(passed=1)

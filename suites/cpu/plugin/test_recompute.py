@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bug_record.plants_layer import balance_bias_layer, warm_up_layer
-from layer_parity import FAMILIES, linattn_layer, make_case, make_config, random_state_dict
+from cases.layer_parity import FAMILIES, linattn_layer, make_case, make_config, random_state_dict
 from linattn.layers import build_layer
 from pytest_linattn.harness import Placement, TrainingStep, assert_parity_cases, assert_sharded_parity
 from pytest_linattn.harness import assert_training_parity

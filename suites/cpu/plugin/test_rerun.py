@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from inner_pytest import LONG_WAIT, runpytest_forked
+from tools.inner_pytest import LONG_WAIT, runpytest_forked
 from pytest_linattn import rerun
 from pytest_linattn.suites import (Suite, SuiteConfigError, _parse_mini_toml, given_flags, home_suite,
                                    load_suites, targeted_suites)

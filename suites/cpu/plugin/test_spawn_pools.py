@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from inner_pytest import LONG_WAIT, forked_pids, no_leftovers, pids_in, process_alive, runpytest_forked, warm_python_command
+from tools.inner_pytest import LONG_WAIT, forked_pids, no_leftovers, pids_in, process_alive, runpytest_forked, warm_python_command
 from pytest_linattn.ranks import pool
 
 pytest_plugins = ["pytester"]

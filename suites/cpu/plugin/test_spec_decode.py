@@ -1,5 +1,5 @@
 """The speculative-decoding mode of the state-pool check (`assert_spec_decode_parity`) on
-linattn's layer through the slot-pool client with verify and accept (`spec_decode_clients`), at
+linattn's layer through the slot-pool client with verify and accept (`clients.spec_decode`), at
 TP 2, CP 2 and TP 2 x CP 2, in float64. Under CP a prefill call's tokens are split over the CP
 ranks, the pool is whole on every CP rank, and the verify calls run whole on every rank.
 
@@ -14,12 +14,12 @@ zeroed state instead of the slot's (sglang #27658: verify replayed from zero-ini
 import pytest
 import torch
 
-from layer_parity import make_config, replicated_layer
+from cases.layer_parity import make_config, replicated_layer
 from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, SpecPlan, assert_spec_decode_parity
 from pytest_linattn.harness.spec_decode import spec_schedule
 from pytest_linattn.parity import capture_records
-from spec_decode_clients import linattn_spec_path, verify_states
+from clients.spec_decode import linattn_spec_path, verify_states
 
 CONFIG = make_config("qwen3_5", 1)
 K = 3

@@ -2,7 +2,7 @@
 `slots_per_sequence`, `read_state`): every verify call runs the sequence's next token, always
 accepted, then K drafts; each sequence holds a row of 1 + K slots, the state after token t of a
 call goes to column t, and the next call starts from column num_accepted_tokens - 1 (nothing is
-copied back). linattn's layer through `spec_decode_clients.linattn_row_spec_path`, at TP 2, in
+copied back). linattn's layer through `clients.spec_decode.linattn_row_spec_path`, at TP 2, in
 float64 (fla's kernel in this layout: suites/cpu/library/test_fla_spec_decode.py).
 
 The correct client passes; an accept that keeps num_accepted_tokens one too high (the first
@@ -13,11 +13,11 @@ rejected draft's state) fails with the call, the row, the sequence and the draft
 import pytest
 import torch
 
-from layer_parity import make_config, replicated_layer
+from cases.layer_parity import make_config, replicated_layer
 from pytest_linattn.harness import Placement, SpecDecodePath, SpecPlan, assert_spec_decode_parity
 from pytest_linattn.harness.spec_decode import spec_schedule
 from pytest_linattn.parity import capture_records
-from spec_decode_clients import linattn_row_spec_path, row_accept
+from clients.spec_decode import linattn_row_spec_path, row_accept
 
 CONFIG = make_config("qwen3_5", 1)
 K = 2

@@ -9,7 +9,7 @@ import pytest
 
 from pytest_linattn.ranks.gpus import GpuLease, gpus_for, rank_gpus, sharing_note
 from pytest_linattn.ranks.pool import NotEnoughGpus, Pool, PoolManager, RankFailure
-from staged_ops import assert_every_op_carried, check_every_op, refused_ops
+from cases.staged_ops import assert_every_op_carried, check_every_op, refused_ops
 
 pytest_plugins = ["pytester"]
 

@@ -1,5 +1,5 @@
 """The state-pool mode of the continuation check (`pytest_linattn.harness.assert_state_pool_parity`)
-on linattn's layer through the slot-pool client (suites/state_pool_clients.py: prefill and decode
+on linattn's layer through the slot-pool client (suites/clients/state_pool.py: prefill and decode
 read and write the scheduled slots of a pool in place), at TP 2, CP 2 and TP 2 x CP 2, in float64.
 Under CP every prefill call's tokens are split over the CP ranks, the pool is whole on every CP
 rank and the decode calls run whole on every rank.
@@ -17,13 +17,13 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from layer_parity import make_config, replicated_layer
+from cases.layer_parity import make_config, replicated_layer
 from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, SequencePlan
 from pytest_linattn.parity import capture_records
 from pytest_linattn.harness import assert_state_pool_parity
 from pytest_linattn.harness.serving_plans import pool_schedule
-from state_pool_clients import linattn_pool_path, pool_decode, pool_prefill
+from clients.state_pool import linattn_pool_path, pool_decode, pool_prefill
 
 CONFIG = make_config("qwen3_5", 1)
 SEQLENS = (9, 6, 7, 5, 8)

@@ -1,5 +1,5 @@
 """The prefix mode of the state-pool check (`assert_state_pool_parity(block_size=...,
-prefix_hits=...)`) on linattn's layer through the slot-pool client (suites/state_pool_clients.py),
+prefix_hits=...)`) on linattn's layer through the slot-pool client (suites/clients/state_pool.py),
 at TP 2, CP 2 and TP 2 x CP 2, in float64 (under CP the pool, its prefix blocks included, whole on
 every CP rank).
 
@@ -15,11 +15,11 @@ slot (vLLM #56196).
 import pytest
 import torch
 
-from layer_parity import make_config, replicated_layer
+from cases.layer_parity import make_config, replicated_layer
 from pytest_linattn.harness import Placement, SequencePlan, assert_state_pool_parity
 from pytest_linattn.harness.serving_plans import pool_schedule
 from pytest_linattn.parity import capture_records
-from state_pool_clients import linattn_pool_path, pool_prefill
+from clients.state_pool import linattn_pool_path, pool_prefill
 
 CONFIG = make_config("qwen3_5", 1)
 BLOCK = 4

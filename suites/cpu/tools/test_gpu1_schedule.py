@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from layer_parity import BF16_CASES
+from cases.layer_parity import BF16_CASES
 
 GPU1 = Path(__file__).resolve().parents[2] / "gpu-1"
 

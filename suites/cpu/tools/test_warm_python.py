@@ -1,4 +1,4 @@
-"""suites/warm_python.py: a warm `python` runs a program as the cold interpreter would (arguments,
+"""suites/tools/warm_python.py: a warm `python` runs a program as the cold interpreter would (arguments,
 sys.path, working directory, environment, stdio, exit status, signals), dies with its command,
 and leaves what it cannot run warm to the real interpreter."""
 from __future__ import annotations
@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-import warm_python
-from inner_pytest import forked_pids, process_alive, warm_python_command
+from tools import warm_python
+from tools.inner_pytest import forked_pids, process_alive, warm_python_command
 
 REPORT = ("import json, os, sys; print(json.dumps(dict(argv=sys.argv, path=sys.path, cwd=os.getcwd(), "
           "env=os.environ.get('WARM_CHECK'), torch='torch' in sys.modules, line=sys.stdin.readline())))")

@@ -52,7 +52,7 @@ from fla.ops.kda.gate import fused_kda_gate
 from fla.ops.precond_gated_delta_rule import chunk_precond_gated_delta_rule
 from fla.ops.precond_kda import chunk_precond_kda
 
-from fla_clients import (client_state_path, conv_caches, cp_context, reduce_replicated_grads, refuse_state_under_cp,
+from clients.fla_layers import (client_state_path, conv_caches, cp_context, reduce_replicated_grads, refuse_state_under_cp,
                          seed_gated_weights, shard_by_head, shard_by_table, short_convs, unshard_by_table)
 from linattn.parallel import cp as linattn_cp
 from linattn.parallel.cp.comm import global_rank, grad_anchor, receive_state_from_previous_rank, send_state_to_next_rank

@@ -20,10 +20,10 @@ import functools
 
 import torch
 
-from layer_parity import linattn_layer
+from cases.layer_parity import linattn_layer
 from linattn.layers import LayerState
 from pytest_linattn.harness import PaddedStatePath
-from state_pool_clients import _unshard
+from clients.state_pool import _unshard
 
 __all__ = ["linattn_padded_path", "padded_forward", "run_rows", "step_rows", "zero_state"]
 

@@ -15,7 +15,7 @@ importing fla costs seconds, so only the tests that use it pay).
 - `fla_state_path(kind, differentiable=...)`: fla's own layer with fla's Cache (conv caches and
   recurrent state in, out), prefill chunks and decode steps as a serving loop calls them, for
   `assert_continuation_parity`; `fla_cached_forward` is the replicated reference's full forward.
-- What the family clients (delta_product_clients, gdn2_clients, rwkv7_clients, precond_clients)
+- What the family clients (clients.delta_product, clients.gdn2, clients.rwkv7, clients.precond)
   share: table-driven TP shard / unshard of weights and states (`shard_by_table`,
   `shard_state_by_table`, ...), `short_convs` (with conv caches), `client_state_path` (the client's
   forward from a state, its state sharded by head; refused under CP: `refuse_state_under_cp`), and
@@ -36,7 +36,7 @@ from fla.ops.cp import build_cp_context
 from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 from fla.ops.kda import chunk_kda
 
-from layer_parity import random_state_dict
+from cases.layer_parity import random_state_dict
 from linattn.layers import config_from_fla_layer, to_fla_state_dict
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer

@@ -26,10 +26,10 @@ import torch
 from fla.ops.kda import chunk_kda
 from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
 
-from layer_parity import linattn_layer
+from cases.layer_parity import linattn_layer
 from linattn.layers import KimiDeltaAttention, LayerState
 from pytest_linattn.harness import StatePoolPath
-from state_pool_clients import _shard, _unshard
+from clients.state_pool import _shard, _unshard
 
 __all__ = ["FlaPoolKDA", "fla_pool_decode", "fla_pool_path", "fla_pool_prefill"]
 

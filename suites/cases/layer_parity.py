@@ -21,7 +21,7 @@ import re
 
 import torch
 
-from gpu_suite import BF16_RTOL
+from cases.gpu import BF16_RTOL
 
 from linattn.layers import (
     LinearAttentionConfig,

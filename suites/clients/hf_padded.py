@@ -21,7 +21,7 @@ import functools
 
 import torch
 
-from layer_parity import replicated_layer
+from cases.layer_parity import replicated_layer
 from linattn.layers import LayerState, LinearAttentionConfig
 from linattn.layers.adapters import to_hf_state_dict
 from pytest_linattn.harness import PaddedStatePath
@@ -31,7 +31,7 @@ __all__ = ["HF_PADDED_FAMILIES", "HFState", "hf_config", "hf_padded_forward", "h
 
 HF_PADDED_FAMILIES = ("qwen3_next", "qwen3_5", "kimi_linear")
 
-# the CPU suites' tiny GDN layer (layer_parity.make_config's sizes): 4 key heads, 8 value heads
+# the CPU suites' tiny GDN layer (cases.layer_parity.make_config's sizes): 4 key heads, 8 value heads
 GDN_SIZES = dict(hidden_size=20, linear_num_key_heads=4, linear_num_value_heads=8, linear_key_head_dim=8,
                  linear_value_head_dim=6, linear_conv_kernel_dim=4, num_hidden_layers=1,
                  layer_types=["linear_attention"], rms_norm_eps=1e-5)

@@ -25,7 +25,7 @@ from einops import rearrange
 from fla.layers import GatedDeltaProduct
 from fla.ops.gated_delta_product import chunk_gated_delta_product
 
-from fla_clients import (ConvRecurrentState, client_state_path, conv_caches, cp_context, reduce_norm_grad,
+from clients.fla_layers import (ConvRecurrentState, client_state_path, conv_caches, cp_context, reduce_norm_grad,
                          refuse_state_under_cp, seed_gated_weights, short_convs)
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer

@@ -1,4 +1,4 @@
-"""The slot-pool client (`state_pool_clients`) extended with speculative decoding, for
+"""The slot-pool client (`clients.state_pool`) extended with speculative decoding, for
 `pytest_linattn.harness.assert_spec_decode_parity`: a verify call over K draft tokens of each
 sequence keeps every token's state, and accepting j drafts writes the state after the j-th into
 the slot (vLLM's and fla's `num_accepted_tokens` interface: per-token states, no replay).
@@ -7,7 +7,7 @@ the slot (vLLM's and fla's `num_accepted_tokens` interface: per-token states, no
 a planted bug replaces prefill, verify or accept (module-level functions: spawn pickles them by
 reference).
 
-vLLM's layout (`linattn_row_spec_path`, and `fla_spec_decode_clients` on fla's kernel): a row of
+vLLM's layout (`linattn_row_spec_path`, and `clients.fla_spec_decode` on fla's kernel): a row of
 1 + K slots per sequence, a verify call of the sequence's next token and K drafts writing its
 state after token t to the row's column t, accept keeping only num_accepted_tokens (the next call
 starts from column num_accepted_tokens - 1: nothing is copied back).
@@ -20,10 +20,10 @@ import functools
 
 import torch
 
-from layer_parity import linattn_layer
+from cases.layer_parity import linattn_layer
 from linattn.layers import LayerState
 from pytest_linattn.harness import SpecDecodePath
-from state_pool_clients import _shard, _unshard, pool_prefill
+from clients.state_pool import _shard, _unshard, pool_prefill
 
 __all__ = ["current_slots", "linattn_row_spec_path", "linattn_spec_path", "num_accepted", "pool_accept", "pool_verify",
            "row_accept", "row_prefill", "row_prefill_slots", "row_state", "row_verify", "verify_states"]

@@ -27,7 +27,7 @@ import inspect
 import torch
 import torch.nn as nn
 
-from layer_parity import random_state_dict
+from cases.layer_parity import random_state_dict
 from linattn.layers import GatedDeltaNet, LinearAttentionConfig, build_layer
 
 __all__ = ["boundary_aware_conv", "ConvOnlyBoundaries", "DecoderStack", "DropsCuSeqlens", "IgnoresPositionIds", "HF_FAMILIES", "hf_call",

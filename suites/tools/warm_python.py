@@ -3,8 +3,8 @@
 The suite starts many Python processes that only a real process can stand for: xdist's workers
 (execnet runs `python -u -c ...`), torchrun's agents and ranks, pytest sessions that a test
 signals. Each cold one imports pytest and torch again: 2.5-3 s of CPU on the 2-core machine. Run
-through `inner_pytest.warm_python_command(environ)` instead, the program runs in a fork of
-inner_pytest's server, which imported torch once per test process; the command itself is a small
+through `tools.inner_pytest.warm_python_command(environ)` instead, the program runs in a fork of
+tools.inner_pytest's server, which imported torch once per test process; the command itself is a small
 interpreter that imports only the standard library, hands its stdin, stdout and stderr to the fork
 and stands for it: it forwards the signals it can catch, and exits with the fork's exit status (or
 dies of the same signal). The fork dies with it (a pipe only the command holds closes: the fork
@@ -16,7 +16,7 @@ The fork runs what a cold interpreter would: the same arguments (`-c`, `-m`, a s
 Anything else (other flags, no server address, a Python whose forkserver authenticates its
 clients) runs the real interpreter (exec), cold. /proc/<pid>/environ of a fork shows the server's
 environment, not the fork's: a fork started with LINATTN_LEAK_TAG set records its pid in
-`forked_pids_file(tag)`, where inner_pytest.tagged_processes looks too.
+`forked_pids_file(tag)`, where tools.inner_pytest.tagged_processes looks too.
 """
 from __future__ import annotations
 

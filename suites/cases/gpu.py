@@ -1,6 +1,6 @@
 """What every GPU test module shares: it skips where it cannot run, and the bf16 bound.
 
-    from gpu_suite import BF16_RTOL, require_cuda_and_fla
+    from cases.gpu import BF16_RTOL, require_cuda_and_fla
     require_cuda_and_fla()  # before importing anything that imports fla
 """
 

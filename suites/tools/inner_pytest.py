@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 from _pytest.pathlib import make_numbered_dir
 
-import warm_python
+from tools import warm_python
 
 # Nothing of a pytest plugin's distribution (pytest_linattn, linattn, xdist) is imported in the
 # server or in the fork before pytest.main: pytest rewrites their asserts when it imports them.
@@ -93,7 +93,7 @@ def runpytest_forked(pytester, *args: str, fla: bool = False, rank_servers: bool
 
 def warm_python_command(env: dict, server=None) -> str:
     """A `python` for processes started with `env` (set up here) that runs its program in a fork
-    of `server` (default: this process's torch server; warm_python): a cold start's imports, skipped."""
+    of `server` (default: this process's torch server; tools.warm_python): a cold start's imports, skipped."""
     from pytest_linattn.ranks import servers
 
     server = server or servers.preloaded_server(servers.ROOT_PRELOAD, environ=_START_ENVIRON)
@@ -203,7 +203,7 @@ def torchrun_env(tag):
 
 
 def torchrun_command(env, *args: str) -> list[str]:
-    """`python -m torch.distributed.run args` with a warm python (warm_python): the agent and
+    """`python -m torch.distributed.run args` with a warm python (tools.warm_python): the agent and
     the ranks it starts each skip a cold interpreter's imports."""
     return [warm_python_command(env), "-m", "torch.distributed.run", *args]
 

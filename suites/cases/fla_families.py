@@ -1,6 +1,6 @@
 """Parity cases of the fla-op clients of five families (GatedDeltaProduct, GatedDeltaNet2,
-RWKV7Attention, PrecondGatedDeltaNet, PrecondKDA: suites/delta_product_clients.py, gdn2_clients.py,
-rwkv7_clients.py, precond_clients.py) at head shapes fla's Triton kernels take (head dim 64; the
+RWKV7Attention, PrecondGatedDeltaNet, PrecondKDA: suites/clients/delta_product.py, clients/gdn2.py,
+clients/rwkv7.py, clients/precond.py) at head shapes fla's Triton kernels take (head dim 64; the
 clients' own SIZES have head dims 4 to 8, below the 16 that Triton's dot needs) and four key
 heads, so TP 4 holds one key head per rank.
 
@@ -44,21 +44,21 @@ SIZES = {
 }
 # family -> (module, fla layer, replicated client, client)
 CLIENTS = {
-    "delta_product": ("delta_product_clients", "fla_delta_product_layer", "replicated_delta_product",
+    "delta_product": ("clients.delta_product", "fla_delta_product_layer", "replicated_delta_product",
                       "fla_delta_product_client"),
-    "gdn2": ("gdn2_clients", "fla_gdn2_layer", "replicated_gdn2", "fla_gdn2_client"),
-    "rwkv7": ("rwkv7_clients", "fla_rwkv7_layer", "replicated_rwkv7", "fla_rwkv7_client"),
-    "precond_gdn": ("precond_clients", "fla_precond_layer", "replicated_precond", "fla_precond_client"),
-    "precond_kda": ("precond_clients", "fla_precond_kda_layer", "replicated_precond_kda", "fla_precond_kda_client"),
+    "gdn2": ("clients.gdn2", "fla_gdn2_layer", "replicated_gdn2", "fla_gdn2_client"),
+    "rwkv7": ("clients.rwkv7", "fla_rwkv7_layer", "replicated_rwkv7", "fla_rwkv7_client"),
+    "precond_gdn": ("clients.precond", "fla_precond_layer", "replicated_precond", "fla_precond_client"),
+    "precond_kda": ("clients.precond", "fla_precond_kda_layer", "replicated_precond_kda", "fla_precond_kda_client"),
 }
 FAMILIES = tuple(CLIENTS)
 # family -> (module, the client carrying its state, the reference's forward for the continuation check or None)
 STATE_PATHS = {
-    "delta_product": ("delta_product_clients", "fla_delta_product_state_path", None),
-    "gdn2": ("gdn2_clients", "fla_gdn2_state_path", None),
-    "rwkv7": ("rwkv7_clients", "fla_rwkv7_state_path", None),
-    "precond_gdn": ("precond_clients", "fla_precond_state_path", "log_atk_call"),
-    "precond_kda": ("precond_clients", "fla_precond_kda_state_path", "log_atk_call"),
+    "delta_product": ("clients.delta_product", "fla_delta_product_state_path", None),
+    "gdn2": ("clients.gdn2", "fla_gdn2_state_path", None),
+    "rwkv7": ("clients.rwkv7", "fla_rwkv7_state_path", None),
+    "precond_gdn": ("clients.precond", "fla_precond_state_path", "log_atk_call"),
+    "precond_kda": ("clients.precond", "fla_precond_kda_state_path", "log_atk_call"),
 }
 # every placement the clients support on four ranks (no sequence parallelism: the clients' inputs
 # are whole over TP); fla's CP layouts, contiguous and zigzag ("fla-zigzag")

@@ -27,7 +27,7 @@ from einops import rearrange
 from fla.layers.gdn2 import GatedDeltaNet2
 from fla.ops.gdn2 import chunk_gdn2
 
-from fla_clients import (ConvRecurrentState, client_state_path, cp_context, reduce_replicated_grads,
+from clients.fla_layers import (ConvRecurrentState, client_state_path, cp_context, reduce_replicated_grads,
                          conv_caches, refuse_state_under_cp, seed_gated_weights, shard_by_head, shard_by_table,
                          short_convs, unshard_by_table)
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region

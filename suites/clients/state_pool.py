@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from layer_parity import linattn_layer
+from cases.layer_parity import linattn_layer
 from linattn.layers import LayerState, shard_layer_state, unshard_layer_state
 from pytest_linattn.harness import StatePoolPath
 

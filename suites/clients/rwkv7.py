@@ -36,7 +36,7 @@ from fla.ops.rwkv7.fused_k_update import fused_k_rwkv7
 from fla.ops.rwkv7.gate_output_correction import gate_output_correction
 from torch import nn
 
-from fla_clients import client_state_path, cp_context, reduce_replicated_grads, refuse_state_under_cp
+from clients.fla_layers import client_state_path, cp_context, reduce_replicated_grads, refuse_state_under_cp
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
 from pytest_linattn import ShardedLayer
 

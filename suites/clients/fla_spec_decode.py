@@ -1,7 +1,7 @@
 """Speculative decoding through fla's KDA serving kernel, as vLLM calls it, for
 `pytest_linattn.harness.assert_spec_decode_parity` (imported lazily: it imports fla).
 
-`FlaSpecKDA` is the serving client's layer (`fla_serving_clients.FlaPoolKDA`: linattn's KDA layer,
+`FlaSpecKDA` is the serving client's layer (`clients.fla_serving.FlaPoolKDA`: linattn's KDA layer,
 prefill on fla's `chunk_kda`) whose verify call runs `fused_recurrent_kda_fwd` on the pool with
 `ssm_state_indices` `[N, 1 + K]` and `num_accepted_tokens`, as vLLM's GDN / KDA spec-decode
 metadata hands them to it:
@@ -12,7 +12,7 @@ metadata hands them to it:
   call (1 after a prefill), and writes its state after token t to slot `row[t]`;
 - accept copies nothing: it keeps num_accepted_tokens (1 + the accepted drafts) for the next
   call, whose kernel reads that column. The rollback is the kernel's. (The bookkeeping,
-  `num_accepted`, `row_accept`, `row_state`, is `spec_decode_clients`' for vLLM's layout.)
+  `num_accepted`, `row_accept`, `row_state`, is `clients.spec_decode`' for vLLM's layout.)
 
 The conv state goes the same way, by the client: fla 0.6.0 has no conv update that takes
 `num_accepted_tokens` (vLLM's `causal_conv1d_update` does), so the verify writes each token's conv
@@ -21,7 +21,7 @@ prefill runs from (and writes back to) the sequence's current column; a fresh on
 over at column 0.
 
 `fla_spec_path(config, num_draft, verify=..., accept=...)`: the harness's SpecDecodePath
-(`spec_decode_clients.linattn_row_spec_path`'s: `bonus_token`, `slots_per_sequence = 1 +
+(`clients.spec_decode.linattn_row_spec_path`'s: `bonus_token`, `slots_per_sequence = 1 +
 num_draft`, `read_state`, the state sharded over TP as linattn's layer's, on this layer); a
 planted bug replaces prefill, verify or accept (module-level functions: spawn pickles them by
 reference).
@@ -34,11 +34,11 @@ import functools
 
 import torch
 
-from fla_serving_clients import FlaPoolKDA, fla_pool_prefill
-from layer_parity import linattn_layer
+from clients.fla_serving import FlaPoolKDA, fla_pool_prefill
+from cases.layer_parity import linattn_layer
 from linattn.layers import LayerState
 from pytest_linattn.harness import SpecDecodePath
-from spec_decode_clients import current_slots, linattn_row_spec_path, num_accepted, row_accept, row_prefill_slots
+from clients.spec_decode import current_slots, linattn_row_spec_path, num_accepted, row_accept, row_prefill_slots
 
 __all__ = ["FlaSpecKDA", "fla_spec_path", "fla_spec_prefill", "fla_spec_verify"]
 
