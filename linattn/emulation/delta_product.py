@@ -27,7 +27,8 @@ from linattn import reference
 from linattn.parallel import cp as parallel_cp
 from linattn.reference.delta_product import last_step, token_to_steps
 
-from .patching import check_packing, compute_dtype
+from .delta_rules import _check_varlen, _cp_cu_seqlens, _state_dtype, _to_compute
+from .patching import check_packing
 
 
 def chunk_gated_delta_product(
@@ -58,34 +59,19 @@ def chunk_gated_delta_product(
         assert g.shape == (B, T, H)
     if cp_context is not None:
         assert g is not None, "Non-gated GDP is not supported for CP"
-        assert initial_state is None, "Initial state is not supported for CP"
-        assert output_final_state is False, "Output final state is not supported for CP"
-        assert cp_context.cu_seqlens is not None, "cu_seqlens is required for CP"
-        cu_seqlens = cp_context.cu_seqlens
-    if cu_seqlens is not None:
-        if q.shape[0] != 1:
-            raise ValueError(
-                f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
-                f"Please flatten variable-length inputs before processing.",
-            )
-        if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
-            raise ValueError(
-                f"The number of initial states is expected to be equal to the number of input sequences, "
-                f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.",
-            )
+    cu_seqlens = _cp_cu_seqlens(cp_context, initial_state, output_final_state, cu_seqlens)
+    _check_varlen(q, cu_seqlens, initial_state)
     if scale is None:
         scale = k.shape[-1] ** -0.5
 
-    o_dtype = q.dtype
-    state_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    dtype = compute_dtype()
-    q, k, v, g, beta = (None if t is None else t.to(dtype) for t in (q, k, v, g, beta))
+    o_dtype, state_dtype = q.dtype, _state_dtype(q)
+    q, k, v, g, beta = _to_compute(q, k, v, g, beta)
     if cp_context is not None:
         return _context_parallel(q, k, v, g, beta, n, scale, use_qk_l2norm_in_kernel, cp_context).to(o_dtype), None
     check_packing("chunk_gated_delta_product", q, cu_seqlens, name="q")
     o, final_state = reference.gated_delta_product(
         q, k, v, g, beta, n, scale=scale, initial_state=initial_state, output_final_state=output_final_state,
-        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel, mode="chunk", compute_dtype=dtype,
+        cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm_in_kernel, mode="chunk", compute_dtype=q.dtype,
     )
     if final_state is not None:
         final_state = final_state.to(state_dtype).contiguous()

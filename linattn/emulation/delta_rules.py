@@ -41,6 +41,7 @@ from linattn.parallel import cp as parallel_cp
 from .patching import check_packing, compute_dtype, refuse
 
 SAFE_GATE_LOWEST = -5.0  # fla's safe range for bounded gates is [-5, 0)
+MAX_KEY_DIM = 256  # fla's KDA-family chunk kernels (GDN-2, preconditioned KDA) take key heads of at most 256 channels
 
 
 # ----------------------------------------------------------------------------------------------
@@ -68,8 +69,7 @@ def chunk_gated_delta_rule(
 ):
     """fla's chunk_gated_delta_rule: g `[B, T, HV]` (log decay, or raw with use_gate_in_kernel)."""
     state_v_first = _state_v_first(state_v_first, kwargs)
-    if "head_first" in kwargs:  # fla raises it, it does not warn
-        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    _refuse_head_first(kwargs)
     chunk_size = kwargs.get("chunk_size", 64)  # no effect on exact math, checked as fla does
     if chunk_size not in (16, 32, 64):
         raise ValueError(f"`chunk_size` must be 16, 32, or 64 for Gated Delta Rule, got {chunk_size}.")
@@ -116,8 +116,7 @@ def fused_recurrent_gated_delta_rule(
     function = "fused_recurrent_gated_delta_rule"
     _refuse_pool_arguments(function, kwargs, "fla 0.6.0 has no GDN state pool")
     state_v_first = _state_v_first(state_v_first, kwargs)
-    if gv is not None:
-        refuse(function, "gv", f"tensor of shape {tuple(gv.shape)}", why="(a decay per value channel) is not emulated")
+    _refuse_gv(function, gv)
     _refuse_beta_per_value_channel(function, beta, v)
     if use_gate_in_kernel:
         if A_log is None:
@@ -170,36 +169,25 @@ def chunk_kda(
     """fla's chunk_kda: g `[B, T, HV, K]`; A_log `[HV]` and dt_bias `[HV*K]` come in kwargs."""
     function = "chunk_kda"
     state_v_first = _state_v_first(state_v_first, kwargs)
-    if return_intermediate_states:
-        refuse(function, "return_intermediate_states", return_intermediate_states,
-               why="(per-chunk bf16 states for inference) is not emulated")
+    _refuse_intermediate_states(function, return_intermediate_states)
     _check_cp(cp_context, initial_state, output_final_state)
     if use_graph and cu_seqlens is not None and cp_context is None:
         num_seqs = cu_seqlens.shape[0] - 1
         assert max_num_seqs is None or num_seqs == max_num_seqs, (
             f"cu_seqlens must be padded with zero-length tail sequences to exactly max_num_seqs + 1 entries, "
             f"got {num_seqs} sequences with max_num_seqs={max_num_seqs}")
-    if initial_state is not None:  # fla asserts float32; float64 runs keep float64 states
-        assert initial_state.dtype in (torch.float32, _state_dtype(q)), "initial_state must be in float32."
+    _check_initial_state_dtype(initial_state, q)
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+    _require_gate_A_log(use_gate_in_kernel, A_log, lower_bound)
     chunk_size = kwargs.get("chunk_size", 64)  # no effect on exact math, checked as fla does
     if chunk_size not in (32, 64):
         raise ValueError(f"`chunk_size` must be either 32 or 64 for KDA, got {chunk_size}.")
-    if safe_gate and use_gate_in_kernel:
-        if lower_bound is None:
-            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
-        if not (SAFE_GATE_LOWEST <= lower_bound < 0):
-            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    _check_safe_gate_bound(safe_gate, use_gate_in_kernel, lower_bound)
     _check_beta_options(allow_neg_eigval, use_beta_sigmoid_in_kernel)
 
     o_dtype, state_dtype = q.dtype, _state_dtype(q)
     q, k, v, g, beta, A_log, dt_bias = _to_compute(q, k, v, g, beta, A_log, dt_bias)
-    if use_gate_in_kernel:
-        g = log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
-    elif safe_gate:
-        _check_bounded_gate(g, lower_bound)
+    g = _per_channel_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(reference.kda, "chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, cp_context, o_dtype, state_dtype,
@@ -231,15 +219,12 @@ def fused_recurrent_kda(
     _refuse_pool_arguments(function, kwargs, "fla.ops.kda.fused_recurrent.fused_recurrent_kda_fwd takes it")
     state_v_first = _state_v_first(state_v_first, kwargs)
     _refuse_beta_per_value_channel(function, beta, v)
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        # fla's kernel then takes exp(1) for exp(A_log), unlike chunk_kda, which raises
-        refuse(function, "A_log", None, why="with use_gate_in_kernel=True and no lower_bound is not emulated")
+    _refuse_gate_without_A_log(function, use_gate_in_kernel, A_log, lower_bound)
     _check_beta_options(allow_neg_eigval, use_beta_sigmoid_in_kernel)
 
     o_dtype, state_dtype = v.dtype, _state_dtype(q)
     q, k, v, g, beta, A_log, dt_bias = _to_compute(q, k, v, g, beta, A_log, dt_bias)
-    if use_gate_in_kernel:
-        g = log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
+    g = _per_channel_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     beta = _beta(beta, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     return _run(reference.kda, "recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
                 use_qk_l2norm_in_kernel, state_v_first, cu_seqlens, None, o_dtype, state_dtype,
@@ -280,7 +265,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None 
 
 
 # ----------------------------------------------------------------------------------------------
-# shared option handling
+# shared option handling: fla's checks in fla's words and the emulation's refusals, for every
+# emulated delta-rule family (gdn2, delta_product, precond, dplr and serving import them)
 
 
 def _run(op, mode, q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
@@ -338,6 +324,16 @@ def _beta(beta, use_sigmoid, allow_neg_eigval):
     return torch.sigmoid(beta) * (2.0 if allow_neg_eigval else 1.0)
 
 
+def _per_channel_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate=False):
+    """KDA's log decay per key channel, inputs in the compute dtype: fla's in-kernel gate from the raw
+    g, or g as given (checked against its promised bound with safe_gate)."""
+    if use_gate_in_kernel:
+        return log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
+    if safe_gate:
+        _check_bounded_gate(g, lower_bound)
+    return g
+
+
 def _check_bounded_gate(g, lower_bound):
     """safe_gate with a precomputed gate: fla's kernels assume log decays in [lower_bound, 0)."""
     lowest = SAFE_GATE_LOWEST if lower_bound is None else lower_bound
@@ -351,10 +347,66 @@ def _check_beta_options(allow_neg_eigval, use_beta_sigmoid_in_kernel):
         raise ValueError("`allow_neg_eigval=True` requires `use_beta_sigmoid_in_kernel=True`.")
 
 
+def _check_safe_gate_bound(safe_gate, use_gate_in_kernel, lower_bound):
+    """fla's checks of lower_bound when the in-kernel gate promises safe_gate."""
+    if safe_gate and use_gate_in_kernel:
+        if lower_bound is None:
+            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
+        if not (SAFE_GATE_LOWEST <= lower_bound < 0):
+            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+
+
+def _require_gate_A_log(use_gate_in_kernel, A_log, lower_bound):
+    """The chunk entries' check, in fla's words: the in-kernel gate needs A_log unless lower_bound is set."""
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+
+
+def _refuse_gate_without_A_log(function, use_gate_in_kernel, A_log, lower_bound):
+    """The fused_recurrent entries' case of it: fla's kernel then takes exp(1) for exp(A_log), where
+    the chunk entries raise."""
+    if use_gate_in_kernel and A_log is None and lower_bound is None:
+        refuse(function, "A_log", None, why="with use_gate_in_kernel=True and no lower_bound is not emulated")
+
+
+def _check_initial_state_dtype(initial_state, q):
+    if initial_state is not None:  # fla asserts float32; float64 runs keep float64 states
+        assert initial_state.dtype in (torch.float32, _state_dtype(q)), "initial_state must be in float32."
+
+
 def _check_cp(cp_context, initial_state, output_final_state):
     if cp_context is not None:  # fla's assertions
         assert initial_state is None, "Initial state is not supported for CP"
         assert output_final_state is False, "Output final state is not supported for CP"
+
+
+def _cp_cu_seqlens(cp_context, initial_state, output_final_state, cu_seqlens):
+    """The cu_seqlens a call packs by: under CP the context's, the whole batch's (fla's checks first)."""
+    if cp_context is None:
+        return cu_seqlens
+    _check_cp(cp_context, initial_state, output_final_state)
+    assert cp_context.cu_seqlens is not None, "cu_seqlens is required for CP"
+    return cp_context.cu_seqlens
+
+
+def _check_varlen(q, cu_seqlens, initial_state, sentence_gap=""):
+    """fla's checks of a packed call, in its words. fla joins the batch message's two sentences
+    with a space in some entries and with none in others: sentence_gap keeps each entry's."""
+    if cu_seqlens is None:
+        return
+    if q.shape[0] != 1:
+        raise ValueError(
+            f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`.{sentence_gap}"
+            f"Please flatten variable-length inputs before processing.")
+    if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
+        raise ValueError(
+            f"The number of initial states is expected to be equal to the number of input sequences, "
+            f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.")
+
+
+def _refuse_head_first(kwargs):
+    if "head_first" in kwargs:  # fla raises it, it does not warn
+        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
 
 
 def _state_v_first(state_v_first, kwargs):
@@ -381,6 +433,17 @@ def _refuse_beta_per_value_channel(function, beta, v):
     if beta is not None and beta.dim() == v.dim():
         refuse(function, "beta", f"tensor of shape {tuple(beta.shape)}",
                why="(a beta per value channel) is not emulated")
+
+
+def _refuse_gv(function, gv):
+    if gv is not None:
+        refuse(function, "gv", f"tensor of shape {tuple(gv.shape)}", why="(a decay per value channel) is not emulated")
+
+
+def _refuse_intermediate_states(function, return_intermediate_states):
+    if return_intermediate_states:
+        refuse(function, "return_intermediate_states", return_intermediate_states,
+               why="(per-chunk states for inference) is not emulated")
 
 
 PATCHES = {

@@ -28,39 +28,21 @@ import torch
 from linattn import reference
 from linattn.parallel import cp as parallel_cp
 
-from .patching import check_packing, compute_dtype, refuse
-
-
-def _check_varlen(q, initial_state, cu_seqlens) -> None:
-    """fla's varlen checks, in fla's words."""
-    if cu_seqlens is None:
-        return
-    if q.shape[0] != 1:
-        raise ValueError(
-            f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`."
-            f"Please flatten variable-length inputs before processing.",
-        )
-    if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
-        raise ValueError(
-            f"The number of initial states is expected to be equal to the number of input sequences, "
-            f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.",
-        )
-
-
-def _state_dtype(x: torch.Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+from .delta_rules import _check_varlen, _cp_cu_seqlens, _refuse_head_first, _state_dtype, _to_compute
+from .patching import check_packing, refuse
 
 
 def _run(function, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, reverse, o_dtype):
     """The reference on this process's tokens, fla's output dtypes."""
     check_packing(function, q, cu_seqlens, name="q")
-    dtype = compute_dtype()
+    state_dtype = _state_dtype(q)
+    q, k, v, a, b, gk = _to_compute(q, k, v, a, b, gk)
     o, final_state = reference.dplr_delta_rule(
-        *(t.to(dtype) for t in (q, k, v, a, b, gk)), scale=scale, initial_state=initial_state,
-        output_final_state=output_final_state, cu_seqlens=cu_seqlens, reverse=reverse, compute_dtype=dtype,
+        q, k, v, a, b, gk, scale=scale, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, reverse=reverse, compute_dtype=q.dtype,
     )
     if final_state is not None:
-        final_state = final_state.to(_state_dtype(q)).contiguous()
+        final_state = final_state.to(state_dtype).contiguous()
     return o.to(o_dtype), final_state
 
 
@@ -88,22 +70,16 @@ def chunk_dplr_delta_rule(
     if q.dtype == torch.float32:  # fla warns so; the emulation computes float32 inputs as any other
         warnings.warn("ChunkDeltaRuleFunction does not support float32 on some platforms. Please use "
                       "bfloat16/float16.", category=RuntimeWarning, stacklevel=2)
-    if "head_first" in kwargs:
-        raise DeprecationWarning("head_first has been removed. Inputs must be in `[B, T, H, ...]` format.")
+    _refuse_head_first(kwargs)
     for key in kwargs:  # fla reads none of them: a caller passing one expects something fla never did
         refuse(name, key, kwargs[key], "is not an argument of fla 0.6.0's chunk_dplr_delta_rule")
     if lower_bound is not None and lower_bound >= 0:
         raise ValueError(f"`lower_bound` must be negative (gk is a log-decay < 0), got {lower_bound}.")
-    if cp_context is not None:
-        assert initial_state is None, "Initial state is not supported for CP"
-        assert output_final_state is False, "Output final state is not supported for CP"
-        assert cp_context.cu_seqlens is not None, "cu_seqlens is required for CP"
-        cu_seqlens = cp_context.cu_seqlens
-    _check_varlen(q, initial_state, cu_seqlens)
+    cu_seqlens = _cp_cu_seqlens(cp_context, initial_state, output_final_state, cu_seqlens)
+    _check_varlen(q, cu_seqlens, initial_state)
     scale = k.shape[-1] ** -0.5 if scale is None else scale
     if cp_context is not None:
-        dtype = compute_dtype()
-        o = _context_parallel(*(t.to(dtype) for t in (q, k, v, a, b, gk)), scale, cp_context)
+        o = _context_parallel(*_to_compute(q, k, v, a, b, gk), scale, cp_context)
         return o.to(q.dtype), None
     return _run(name, q, k, v, a, b, gk, scale, initial_state, output_final_state, cu_seqlens, False, q.dtype)
 
@@ -122,7 +98,7 @@ def fused_recurrent_dplr_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's fused_recurrent_dplr_delta_rule (differentiable here; fla's raises in backward)."""
-    _check_varlen(q, initial_state, cu_seqlens)
+    _check_varlen(q, cu_seqlens, initial_state)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     return _run("fused_recurrent_dplr_delta_rule", q, k, v, a, b, gk, scale, initial_state, output_final_state,
                 cu_seqlens, bool(reverse), q.dtype)
@@ -185,10 +161,9 @@ def fused_mul_recurrent_rwkv7(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """fla's fused_mul_recurrent_rwkv7 (RWKV-7's decode): the DPLR rule with a = -kk, b = kk * a;
     o in v's dtype, as fla's."""
-    _check_varlen(r, initial_state, cu_seqlens)
+    _check_varlen(r, cu_seqlens, initial_state)
     scale = r.shape[-1] ** -0.5 if scale is None else scale
-    dtype = compute_dtype()
-    kk, a = kk.to(dtype), a.to(dtype)
+    kk, a = _to_compute(kk, a)
     return _run("fused_mul_recurrent_rwkv7", r, k, v, -kk, kk * a, w, scale, initial_state, output_final_state,
                 cu_seqlens, bool(reverse), v.dtype)
 

@@ -31,20 +31,24 @@ from __future__ import annotations
 import torch
 
 from linattn import reference
-from linattn.kernels import log_decay
 from linattn.parallel import cp as parallel_cp
 
 from .delta_rules import (
-    SAFE_GATE_LOWEST,
-    _check_bounded_gate,
+    MAX_KEY_DIM,
+    _check_initial_state_dtype,
+    _check_safe_gate_bound,
+    _check_varlen,
+    _cp_cu_seqlens,
+    _per_channel_gate,
+    _refuse_gate_without_A_log,
+    _refuse_intermediate_states,
     _refuse_pool_arguments,
+    _require_gate_A_log,
     _state_dtype,
     _state_v_first,
     _to_compute,
 )
-from .patching import check_packing, refuse
-
-MAX_KEY_DIM = 256  # fla's chunk kernels take key heads of at most 256 channels
+from .patching import check_packing
 
 
 def chunk_gdn2(
@@ -73,29 +77,17 @@ def chunk_gdn2(
     `[H*K]` come in kwargs (read with use_gate_in_kernel only)."""
     function = "chunk_gdn2"
     state_v_first = _state_v_first(state_v_first, kwargs)
-    if return_intermediate_states:
-        refuse(function, "return_intermediate_states", return_intermediate_states,
-               why="(per-chunk states for inference) is not emulated")
+    _refuse_intermediate_states(function, return_intermediate_states)
     # fla's checks, in fla's order and words
-    if cp_context is not None:
-        assert initial_state is None, "Initial state is not supported for CP"
-        assert output_final_state is False, "Output final state is not supported for CP"
-        assert cp_context.cu_seqlens is not None, "cu_seqlens is required for CP"
-        cu_seqlens = cp_context.cu_seqlens
-    _check_varlen(q, cu_seqlens, initial_state)
-    if initial_state is not None:  # fla asserts float32; float64 runs keep float64 states
-        assert initial_state.dtype in (torch.float32, _state_dtype(q)), "initial_state must be in float32."
+    cu_seqlens = _cp_cu_seqlens(cp_context, initial_state, output_final_state, cu_seqlens)
+    _check_varlen(q, cu_seqlens, initial_state, sentence_gap=" ")
+    _check_initial_state_dtype(initial_state, q)
     A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        raise ValueError("`A_log` must be provided when `use_gate_in_kernel=True` and `lower_bound` is not set.")
+    _require_gate_A_log(use_gate_in_kernel, A_log, lower_bound)
     chunk_size = kwargs.pop("chunk_size", 64)  # no effect on exact math, checked as fla does
     if chunk_size != 64:
         raise ValueError(f"`chunk_size` must be 64 for GDN-2, got {chunk_size}.")
-    if safe_gate and use_gate_in_kernel:
-        if lower_bound is None:
-            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
-        if not (SAFE_GATE_LOWEST <= lower_bound < 0):
-            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    _check_safe_gate_bound(safe_gate, use_gate_in_kernel, lower_bound)
     assert q.shape == k.shape == g.shape, "q, k, g must have the same shape."
     assert k.shape[-1] <= MAX_KEY_DIM, f"GDN-2 only supports key headdim <= 256, got {k.shape[-1]}."
     assert b.shape == q.shape, (f"b (channel-wise erase gate) must have shape [B, T, H, K] matching q; "
@@ -107,10 +99,7 @@ def chunk_gdn2(
 
     o_dtype, state_dtype = q.dtype, _state_dtype(q)
     q, k, v, g, b, w, A_log, dt_bias = _to_compute(q, k, v, g, b, w, A_log, dt_bias)
-    if use_gate_in_kernel:
-        g = log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
-    elif safe_gate:
-        _check_bounded_gate(g, lower_bound)
+    g = _per_channel_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
     if cp_context is not None:
         return _context_parallel(q, k, v, g, b, w, scale, use_qk_l2norm_in_kernel, cp_context).to(o_dtype), None
     return _run("chunk", q, k, v, g, b, w, scale, initial_state, output_final_state,
@@ -141,33 +130,17 @@ def fused_recurrent_gdn2(
     function = "fused_recurrent_gdn2"
     _refuse_pool_arguments(function, kwargs, "fla.ops.gdn2.fused_recurrent.fused_recurrent_gdn2_fwd takes it")
     state_v_first = _state_v_first(state_v_first, kwargs)
-    _check_varlen(q, cu_seqlens, initial_state)
+    _check_varlen(q, cu_seqlens, initial_state, sentence_gap=" ")
     assert b.shape == (*v.shape[:3], k.shape[-1]), (f"b must have shape [B, T, HV, K]; got {tuple(b.shape)} "
                                                     f"vs expected {(*v.shape[:3], k.shape[-1])}.")
     assert w.shape == v.shape, f"w must have shape [B, T, HV, V] matching v; got {tuple(w.shape)} vs v {tuple(v.shape)}."
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        refuse(function, "A_log", None, why="with use_gate_in_kernel=True and no lower_bound is not emulated")
+    _refuse_gate_without_A_log(function, use_gate_in_kernel, A_log, lower_bound)
 
     o_dtype, state_dtype = v.dtype, _state_dtype(q)
     q, k, v, g, b, w, A_log, dt_bias = _to_compute(q, k, v, g, b, w, A_log, dt_bias)
-    if use_gate_in_kernel:
-        g = log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
+    g = _per_channel_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     return _run("recurrent", q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm_in_kernel,
                 state_v_first, cu_seqlens, o_dtype, state_dtype, function)
-
-
-def _check_varlen(q, cu_seqlens, initial_state):
-    """fla's checks of a packed call, in its words."""
-    if cu_seqlens is None:
-        return
-    if q.shape[0] != 1:
-        raise ValueError(
-            f"The batch size is expected to be 1 rather than {q.shape[0]} when using `cu_seqlens`. "
-            f"Please flatten variable-length inputs before processing.")
-    if initial_state is not None and initial_state.shape[0] != len(cu_seqlens) - 1:
-        raise ValueError(
-            f"The number of initial states is expected to be equal to the number of input sequences, "
-            f"i.e., {len(cu_seqlens) - 1} rather than {initial_state.shape[0]}.")
 
 
 def _run(mode, q, k, v, g, b, w, scale, initial_state, output_final_state, use_qk_l2norm, state_v_first,

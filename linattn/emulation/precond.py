@@ -26,13 +26,21 @@ from __future__ import annotations
 import torch
 
 from linattn import reference
-from linattn.kernels import log_decay
 
-from .delta_rules import SAFE_GATE_LOWEST, _check_bounded_gate, _state_dtype, _to_compute
-from .gdn2 import _check_varlen
+from .delta_rules import (
+    MAX_KEY_DIM,
+    _check_initial_state_dtype,
+    _check_safe_gate_bound,
+    _check_varlen,
+    _per_channel_gate,
+    _refuse_beta_per_value_channel,
+    _refuse_gate_without_A_log,
+    _refuse_gv,
+    _refuse_intermediate_states,
+    _state_dtype,
+    _to_compute,
+)
 from .patching import check_packing, refuse
-
-MAX_KEY_DIM = 256  # fla's KDA chunk kernels take key heads of at most 256 channels
 
 
 def chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, scale=None, initial_state=None,
@@ -48,7 +56,7 @@ def chunk_precond_gated_delta_rule(q, k, v, g_atk, g, beta_atk, beta, scale=None
         raise ValueError(f"For GVA, num_v_heads (HV={HV}) must be evenly divisible by "
                          f"num_heads (H={H}), but got HV % H = {HV % H}")
     _refuse_cp(cp_context, "chunk_precond_gated_delta_rule")
-    _check_varlen(q, cu_seqlens, initial_state)
+    _check_varlen(q, cu_seqlens, initial_state, sentence_gap=" ")
     o_dtype = q.dtype
     return _run(reference.precond_gated_delta_rule, "chunk", q, k, v, g_atk, g, beta_atk, beta, scale,
                 initial_state, initial_A_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens,
@@ -62,12 +70,10 @@ def fused_recurrent_precond_gated_delta_rule(q, k, v, g=None, gk=None, gv=None, 
                                              log_atk_scale=None):
     """fla's fused_recurrent_precond_gated_delta_rule: g `[B,T,HV]` and/or gk `[B,T,HV,K]` log decays."""
     function = "fused_recurrent_precond_gated_delta_rule"
-    if gv is not None:
-        refuse(function, "gv", "tensor", why="(a decay per value channel) is not emulated")
-    if beta is not None and beta.dim() == v.dim():
-        refuse(function, "beta", f"tensor of shape {tuple(beta.shape)}", why="(a beta per value channel) is not emulated")
+    _refuse_gv(function, gv)
+    _refuse_beta_per_value_channel(function, beta, v)
     _refuse_missing_atk(function, g_atk, beta_atk)
-    _check_varlen(q, cu_seqlens, initial_state)
+    _check_varlen(q, cu_seqlens, initial_state, sentence_gap=" ")
     if beta is None:
         beta = torch.ones_like(q[..., 0])
     B, T, HV, K = *v.shape[:3], k.shape[-1]
@@ -87,24 +93,20 @@ def chunk_precond_kda(q, k, v, g, g_atk, beta_atk, beta, scale=None, initial_sta
     """fla's chunk_precond_kda: q, k, g `[B,T,H,K]`; v `[B,T,H,V]`; g_atk, beta_atk, beta `[B,T,H]`;
     A_log `[H]` and dt_bias `[H*K]` in kwargs (read with use_gate_in_kernel only)."""
     function = "chunk_precond_kda"
-    if return_intermediate_states:
-        refuse(function, "return_intermediate_states", True, why="(per-chunk states for inference) is not emulated")
+    _refuse_intermediate_states(function, return_intermediate_states)
     _refuse_cp(cp_context, function)
-    _check_varlen(q, cu_seqlens, initial_state)
-    if initial_state is not None:  # fla asserts float32; float64 runs keep float64 states
-        assert initial_state.dtype in (torch.float32, _state_dtype(q)), "initial_state must be in float32."
-    if safe_gate and use_gate_in_kernel:
-        if lower_bound is None:
-            raise ValueError("`lower_bound` must be specified when `safe_gate=True` and `use_gate_in_kernel=True`.")
-        if not (SAFE_GATE_LOWEST <= lower_bound < 0):
-            raise ValueError(f"`lower_bound` must be in the safe range [-5, 0), got {lower_bound}.")
+    _check_varlen(q, cu_seqlens, initial_state, sentence_gap=" ")
+    _check_initial_state_dtype(initial_state, q)
+    _check_safe_gate_bound(safe_gate, use_gate_in_kernel, lower_bound)
     assert q.shape == k.shape == g.shape, "q, k, g must have the same shape."
     assert k.shape[-1] <= MAX_KEY_DIM, "Currently we only support key headdim <=256 for KDA :-("
     assert beta.shape == q.shape[:3], "beta must be of shape (batch size, seq len, num of head)."
     assert v.shape == (*q.shape[:3], v.shape[-1]), "v must be of shape (batch size, seq len, num of head, head dim)."
     if use_gate_in_kernel:
         assert "A_log" in kwargs, "A_log must be provided when use_gate_in_kernel=True."
-    g = _gate(function, g, use_gate_in_kernel, kwargs.get("A_log"), kwargs.get("dt_bias"), lower_bound, safe_gate)
+    A_log, dt_bias = (kwargs.get("A_log"), kwargs.get("dt_bias")) if use_gate_in_kernel else (None, None)
+    g, A_log, dt_bias = _to_compute(g, A_log, dt_bias)
+    g = _per_channel_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate)
     return _run(reference.precond_kda, "chunk", q, k, v, g, g_atk, beta_atk, beta, scale, initial_state,
                 initial_A_state, output_final_state, True, cu_seqlens, transpose_state_layout, x, eps,
                 log_atk_scale, q.dtype, function)
@@ -120,10 +122,10 @@ def fused_recurrent_precond_kda(q, k, v, g, g_atk, beta_atk, beta, A_log=None, d
     if v.shape[2] != q.shape[2]:
         refuse(function, "v", f"tensor with {v.shape[2]} heads for {q.shape[2]} key heads",
                why="is not emulated: fla's kernel then keeps one ATK state per value head")
-    if use_gate_in_kernel and A_log is None and lower_bound is None:
-        refuse(function, "A_log", None, why="with use_gate_in_kernel=True and no lower_bound is not emulated")
-    _check_varlen(q, cu_seqlens, initial_state)
-    g = _gate(function, g, use_gate_in_kernel, A_log, dt_bias, lower_bound, False)
+    _refuse_gate_without_A_log(function, use_gate_in_kernel, A_log, lower_bound)
+    _check_varlen(q, cu_seqlens, initial_state, sentence_gap=" ")
+    g, A_log, dt_bias = _to_compute(g, A_log, dt_bias)
+    g = _per_channel_gate(g, use_gate_in_kernel, A_log, dt_bias, lower_bound)
     return _run(reference.precond_kda, "recurrent", q, k, v, g, g_atk, beta_atk, beta, scale, initial_state,
                 initial_A_state, output_final_state, use_qk_l2norm_in_kernel, cu_seqlens, transpose_state_layout,
                 x, eps, log_atk_scale, v.dtype, function)
@@ -142,17 +144,6 @@ def _refuse_missing_atk(function, g_atk, beta_atk):
     for name, value in (("g_atk", g_atk), ("beta_atk", beta_atk)):
         if value is None:
             refuse(function, name, None, why="is not emulated: the preconditioner needs it")
-
-
-def _gate(function, g, use_gate_in_kernel, A_log, dt_bias, lower_bound, safe_gate):
-    """KDA's log decay: fla's in-kernel gate from the raw g, or g as given (checked with safe_gate)."""
-    (g,) = _to_compute(g)
-    if use_gate_in_kernel:
-        A_log, dt_bias = _to_compute(A_log, dt_bias)
-        return log_decay(g, A_log, dt_bias, lower_bound, per_channel=True)
-    if safe_gate:
-        _check_bounded_gate(g, lower_bound)
-    return g
 
 
 def _run(op, mode, q, k, v, g_first, g_second, beta_atk, beta, scale, initial_state, initial_A_state,

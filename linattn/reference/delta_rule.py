@@ -119,8 +119,11 @@ def _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     beta = beta.flatten(0, 1)
     state = initial_state.to(**cast) if initial_state is not None else q.new_zeros(N, HV, K, V)
 
-    run = _chunked if mode == "chunk" else _recurrent
-    o, final_state = run(q, k, v, g, beta, state, bounds)
+    if mode == "chunk":
+        beta = beta[..., None]  # [B*T, HV, 1]: the delta rule erases and writes with the same gate
+        o, final_state = chunked_delta_rule(q, k, v, g, beta, beta, state, bounds)
+    else:
+        o, final_state = _recurrent(q, k, v, g, beta, state, bounds)
     return o.reshape(B, T, HV, V), (final_state if output_final_state else None)
 
 
@@ -141,8 +144,17 @@ def _recurrent(q, k, v, g, beta, state, bounds):
     return o, torch.stack(finals)
 
 
-def _chunked(q, k, v, g, beta, state, bounds):
-    """Chunked WY form over a padded `[chunks, N·HV, C, ...]` layout of all sequences at once."""
+def chunked_delta_rule(q, k, v, g, erase_gate, write_gate, state, bounds):
+    """The gated delta rule with an erase and a write gate, in chunks of CHUNK_SIZE tokens (WY form):
+
+        S_t = diag(exp g_t) S_{t-1};  S_t = S_t + k_t (write_gate_t ⊙ v_t - S_tᵀ (erase_gate_t ⊙ k_t))ᵀ;  o_t = S_tᵀ q_t
+
+    GDN and KDA take both gates = beta `[.., 1]`; GDN-2 erases per key channel and writes per value
+    channel. Inputs `[tokens, HV, ...]` (q already scaled), g `[tokens, HV, 1 or K]`, state
+    `[N, HV, K, V]`, bounds the sequences' token boundaries. All sequences go at once through a
+    padded `[chunks, N·HV, C, ...]` layout; the padding (zero inputs, g = 0) leaves each state untouched.
+    Returns (o `[tokens, HV, V]`, final state `[N, HV, K, V]`).
+    """
     C = CHUNK_SIZE
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     N, HV, K, V = state.shape
@@ -161,7 +173,7 @@ def _chunked(q, k, v, g, beta, state, bounds):
     # state pass over the group's chunks (split once: slicing in a loop would make backward build
     # a full-size gradient per slice)
     group = max(1, GROUP_BYTES // (N * HV * C * max(K, V) * q.element_size()))
-    groups = zip(*(to_chunks(x).split(group) for x in (q, k, v, g, beta[..., None])))
+    groups = zip(*(to_chunks(x).split(group) for x in (q, k, v, g, erase_gate, write_gate)))
     S, outputs = state.reshape(N * HV, K, V), []
     for chunk_terms in (_chunk_terms(*group_inputs) for group_inputs in groups):
         for U_c, W_c, q_c, Aqk_c, decay_c, k_c in zip(*(x.unbind(0) for x in chunk_terms)):
@@ -173,26 +185,27 @@ def _chunked(q, k, v, g, beta, state, bounds):
     return o, S.view(N, HV, K, V)
 
 
-def _chunk_terms(q, k, v, g, beta):
+def _chunk_terms(q, k, v, g, erase_gate, write_gate):
     """Per chunk, what the state pass needs: U, W, q·exp(g), Aqk, exp(g_last), (k·exp(g_last - g))ᵀ.
 
-    WY form: (I + strict_lower(Akk)) [U, W] = [diag(beta) v, diag(beta) k·exp(g)]; a chunk then
-    takes v_new = U - W S_in, o = (q·exp g) S_in + Aqk v_new and
+    WY form, with the erase key e = erase_gate ⊙ k:
+    (I + strict_lower(Akk)) [U, W] = [write_gate ⊙ v, e·exp(g)], Akk[i, j] = Σ_d e_i[d] k_j[d] exp(g_i[d] - g_j[d]);
+    a chunk then takes v_new = U - W S_in, o = (q·exp g) S_in + Aqk v_new and
     S_out = exp(g_last) S_in + (k·exp(g_last - g))ᵀ v_new.
     """
     g = g.cumsum(-2)  # log decay from the chunk start through each token, [.., C, K or 1]
     g_last = g[..., -1:, :]
     # intra-chunk pair products decayed from token j to token i, for i >= j (Akk's diagonal is
     # never read: the solve takes it as unit)
-    k_beta = k * beta
+    erase_k = k * erase_gate
     if g.shape[-1] == 1:
         decay = _scalar_lower_decay(g[..., 0])
-        Akk = (k_beta @ k.transpose(-1, -2)) * decay
+        Akk = (erase_k @ k.transpose(-1, -2)) * decay
         Aqk = (q @ k.transpose(-1, -2)) * decay
     else:
-        Akk, Aqk = _channel_decayed_lower((k_beta, q), k, g)
+        Akk, Aqk = _channel_decayed_lower((erase_k, q), k, g)
     decay_in = g.exp()
-    rhs = torch.cat([v * beta, k_beta * decay_in], dim=-1)
+    rhs = torch.cat([v * write_gate, erase_k * decay_in], dim=-1)
     solved = torch.linalg.solve_triangular(Akk, rhs, upper=False, unitriangular=True)
     U, W = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
     k_out = (k * (g_last - g).exp()).transpose(-1, -2)

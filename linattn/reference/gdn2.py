@@ -15,16 +15,14 @@ b ⊙ k in the rows of the intra-chunk system and w ⊙ v on its right side:
     (I + strict_lower(A)) [U, W] = [w ⊙ v, (b ⊙ k)·exp(g)],  A[i, j] = Σ_d (b_i k_i)[d] k_j[d] exp(g_i[d] - g_j[d])
 
 then v_new = U - W S_in, o = (q·exp g) S_in + Aqk v_new, S_out = exp(g_last) S_in + (k·exp(g_last - g))ᵀ v_new,
-with g cumulative within the chunk. The lower-triangular channel-decayed products reuse the KDA
-reference's stable factoring. Packed sequences sit in a padded `[chunks, N·HV, 64, ...]` layout
+with g cumulative within the chunk: the delta rule reference's chunk form (chunked_delta_rule) with
+erase gate b and write gate w. Packed sequences sit in a padded `[chunks, N·HV, 64, ...]` layout
 whose padding (k = v = b = w = 0, g = 0) leaves each state untouched.
 
 Value head j reads key head j // (HV // H) (q and k `[B, T, H, K]`); g and b are per value head.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -36,7 +34,7 @@ from linattn.checks import (
     validate_shape,
 )
 
-from .delta_rule import CHUNK_SIZE, GROUP_BYTES, MODES, _channel_decayed_lower, l2norm
+from .delta_rule import MODES, chunked_delta_rule, l2norm
 
 
 def gdn2(
@@ -94,7 +92,7 @@ def gdn2(
     v, g, b, w = (x.flatten(0, 1) for x in (v, g, b, w))
     state = initial_state.to(**cast) if initial_state is not None else q.new_zeros(N, HV, K, V)
 
-    run = _chunked if mode == "chunk" else _recurrent
+    run = chunked_delta_rule if mode == "chunk" else _recurrent
     o, final_state = run(q, k, v, g, b, w, state, bounds)
     return o.reshape(B, T, HV, V), (final_state if output_final_state else None)
 
@@ -114,48 +112,3 @@ def _recurrent(q, k, v, g, b, w, state, bounds):
         finals.append(S)
     o = torch.stack(outputs) if outputs else v.new_zeros(0, *v.shape[1:])
     return o, torch.stack(finals)
-
-
-def _chunked(q, k, v, g, b, w, state, bounds):
-    """Chunked WY form over a padded `[chunks, N·HV, C, ...]` layout of all sequences at once."""
-    C = CHUNK_SIZE
-    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
-    N, HV, K, V = state.shape
-    num_chunks = max(1, math.ceil(max(lengths) / C))
-    seq = torch.repeat_interleave(torch.arange(N, device=q.device), torch.tensor(lengths, device=q.device))
-    pos = torch.arange(q.shape[0], device=q.device) - torch.tensor(bounds[:-1], device=q.device)[seq]
-    # token -> (chunk, sequence, head, place in chunk); chunk-major so the loop's slices are contiguous
-    slot = (pos // C, seq, slice(None), pos % C)
-
-    def to_chunks(x):  # [tokens, HV, D] -> [chunks, N·HV, C, D], zero padding
-        padded = x.new_zeros(num_chunks, N, HV, C, x.shape[-1])
-        padded[slot] = x
-        return padded.flatten(1, 2)
-
-    # groups of chunks small enough to stay in cache (split once: slicing in a loop would make
-    # backward build a full-size gradient per slice)
-    group = max(1, GROUP_BYTES // (N * HV * C * max(K, V) * q.element_size()))
-    groups = zip(*(to_chunks(x).split(group) for x in (q, k, v, g, b, w)))
-    S, outputs = state.reshape(N * HV, K, V), []
-    for chunk_terms in (_chunk_terms(*group_inputs) for group_inputs in groups):
-        for U_c, W_c, q_c, Aqk_c, decay_c, k_c in zip(*(x.unbind(0) for x in chunk_terms)):
-            v_new = torch.baddbmm(U_c, W_c, S, alpha=-1)
-            outputs.append((q_c @ S).baddbmm_(Aqk_c, v_new))
-            S = (decay_c * S).baddbmm_(k_c, v_new)
-    o = torch.stack(outputs).view(num_chunks, N, HV, C, V)[slot]
-    return o, S.view(N, HV, K, V)
-
-
-def _chunk_terms(q, k, v, g, b, w):
-    """Per chunk: U, W, q·exp(g), Aqk, exp(g_last), (k·exp(g_last - g))ᵀ (module docstring)."""
-    g = g.cumsum(-2)  # log decay from the chunk start through each token, [.., C, K]
-    g_last = g[..., -1:, :]
-    erase_k = b * k
-    # Akk's diagonal is never read: the solve takes it as unit
-    Akk, Aqk = _channel_decayed_lower((erase_k, q), k, g)
-    decay_in = g.exp()
-    rhs = torch.cat([w * v, erase_k * decay_in], dim=-1)
-    solved = torch.linalg.solve_triangular(Akk, rhs, upper=False, unitriangular=True)
-    U, W = solved.split([v.shape[-1], k.shape[-1]], dim=-1)
-    k_out = (k * (g_last - g).exp()).transpose(-1, -2)
-    return U, W, q * decay_in, Aqk, g_last.exp().transpose(-1, -2), k_out

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ..mutation.sites import hands_over
 from .cases import ParityCase, ShardedLayer
 from .placement import Placement, padded_batch, padded_cu_seqlens, rank_token_index
 from .recompute import recorded_forward
@@ -73,6 +74,7 @@ def run_device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if on_gpu else torch.device("cpu")
 
 
+@hands_over("the harness's hand-over of a DTensor")  # the check's own gather: collective mutants leave it alone
 def whole(t):
     """t, or the whole tensor of a DTensor (collective: every rank calls it in the same order)."""
     return t.full_tensor() if hasattr(t, "full_tensor") else t

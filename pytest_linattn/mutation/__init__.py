@@ -9,5 +9,6 @@ reported by call site (docs/mutation.md).
     sites       where a collective was issued (its call site and caller): how mutants and reports name it
     plan        in the test process: the runs, the mutants from a clean run, outcomes
     report      per-test scores, the session table, collective-mutants.json
+    reruns      references kept across a test's reruns (computed once in the test process)
     recorder    the pytest plugin object that ties them to a pytest run
 """

@@ -32,9 +32,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from .applied import APPLY, Call, LazyWork
 from .mutations import MUTATIONS, NOT_COLLECTIVES, op_kind
-from .sites import HANDOVER_FUNCTION, call_site
+from .sites import call_site, is_handover
 
-__all__ = ["CollectiveInterceptor", "HANDOVER_FUNCTION", "INTERCEPTORS", "InterceptingMode", "intercepting", "take_calls"]
+__all__ = ["CollectiveInterceptor", "INTERCEPTORS", "InterceptingMode", "intercepting", "take_calls"]
 
 NAMESPACES = ("c10d", "_c10d_functional")
 # plan["interceptor"]: "both" (a clean run: record with each, compare), "library", "mode"
@@ -188,7 +188,7 @@ class CollectiveInterceptor:
             "op": op, "kind": kind, "site": site, "function": function, "caller": caller,
             "phase": "backward" if torch._C._current_graph_task_id() != -1 else "forward",
             "group_size": call.size, "occurrence": occurrence,
-            "mutations": [] if function == HANDOVER_FUNCTION else self._applicable(call, kind, key, occurrence),
+            "mutations": [] if is_handover(function) else self._applicable(call, kind, key, occurrence),
         })
         t = self.target
         mutation = None

@@ -12,6 +12,7 @@ import pytest
 from .. import options
 from . import plan
 from . import report as mutants_report
+from .reruns import keep_references
 
 __all__ = ["MutationRecorder", "MARKER"]
 
@@ -43,8 +44,6 @@ class MutationRecorder:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item):
-        from ..harness.reruns import keep_references
-
         rules = self._rules(item)  # a bad marker fails before the test runs
         with keep_references():  # the test process's references, the same in every rerun
             result = yield from self._run_with_mutants(item, rules)
