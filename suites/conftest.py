@@ -72,8 +72,46 @@ def pytest_cmdline_main(config):
             value = args[args.index(flag) + 1]
             setattr(config.option, dest, int(value) if dest == "numprocesses" and value.isdigit() else value)
             applied.append(f"{flag} {value}")
+    if not SUITES[names[0]].gpus and (config.option.numprocesses or 0) > 1 and _start_workers_warm():
+        applied.append("workers forked from one server")
     config.stash[_WORKERS] = applied
     return None
+
+
+# What every worker's collection imports and no pytest rewrites: imported once, in the server the
+# workers are forked from (about 6 s of CPU each on the 2-core machine: torch, fla, transformers).
+WORKER_PRELOAD = ("torch", "torch.distributed", "numpy", "einops", "transformers", "transformers.modeling_layers",
+                  "transformers.models.auto.auto_factory")
+WARM_WORKERS_ENV = "LINATTN_WARM_WORKERS"
+
+
+def _start_workers_warm() -> bool:
+    """xdist starts each worker as `sys.executable -c ...`, cold: point sys.executable at a warm
+    python (tools/warm_python.py) whose programs are forks of one server that imported
+    WORKER_PRELOAD (and fla, where a pool may preload it); each worker then sets its own
+    sys.executable back to the real interpreter, so what its tests start is cold as before."""
+    from pytest_linattn.ranks import servers
+    from tools import warm_python
+
+    if not servers.can_fork_from_servers("cpu"):
+        return False
+    stage = servers.FLA_ROOT_PRELOAD if servers.can_preload_fla("cpu") else servers.ROOT_PRELOAD
+    server = servers.preloaded_server(stage + WORKER_PRELOAD[len(servers.ROOT_PRELOAD):])
+    os.environ[WARM_WORKERS_ENV] = "1"
+    sys.executable = warm_python.warm_python_command(os.environ, server._forkserver_address)
+    return True
+
+
+if os.environ.get(WARM_WORKERS_ENV) and os.environ.get("PYTEST_XDIST_WORKER"):
+    # a worker forked by the warm python: its tests' processes start as they would without it
+    from tools import warm_python as _warm
+
+    sys.executable = os.environ[_warm.REAL_PYTHON_ENV]
+    for _key in (WARM_WORKERS_ENV, _warm.ADDRESS_ENV):
+        os.environ.pop(_key, None)
+    from pytest_linattn.ranks import servers as _servers
+
+    _servers.fla_stage_from_parent_server()  # its fla pools' ranks: forks of the workers' server too
 
 
 def pytest_configure(config):

@@ -32,8 +32,8 @@ import threading
 from multiprocessing import connection, forkserver, popen_forkserver, spawn, util
 from multiprocessing.context import ForkServerProcess, reduction, set_spawning_popen
 
-__all__ = ["Starter", "can_preload_fla", "close_servers", "detach_from_server", "fork_process",
-           "preloaded_server", "process_uses_fla", "starter"]
+__all__ = ["Starter", "can_fork_from_servers", "can_preload_fla", "close_servers", "detach_from_server",
+           "fla_stage_from_parent_server", "fork_process", "preloaded_server", "process_uses_fla", "starter"]
 
 # Stages: servers that import only what no test process rewrites (pytest rewrites its plugins'
 # asserts on import), from which the others are forked; so torch, and fla, are imported once per
@@ -94,9 +94,12 @@ def preloaded_server(preload: tuple[str, ...], environ=None) -> forkserver.ForkS
     environment a server starts in, if not os.environ (and multiprocessing's resource tracker, if
     this starts it): its children set their own."""
     environ = os.environ if environ is None else environ
-    env_key = tuple(sorted((k, v) for k, v in environ.items() if k.startswith(_IMPORT_ENV_PREFIXES)))
     with _lock:
-        return _running_server(tuple(preload), environ, env_key)
+        return _running_server(tuple(preload), environ, _import_env_key(environ))
+
+
+def _import_env_key(environ) -> tuple:
+    return tuple(sorted((k, v) for k, v in environ.items() if k.startswith(_IMPORT_ENV_PREFIXES)))
 
 
 def _running_server(preload: tuple[str, ...], environ, env_key) -> forkserver.ForkServer:
@@ -123,13 +126,38 @@ def _running_server(preload: tuple[str, ...], environ, env_key) -> forkserver.Fo
 def _new_server(stage: forkserver.ForkServer | None) -> forkserver.ForkServer:
     if stage is not None:
         return _ForkedServer(stage)
-    parent = forkserver._forkserver._forkserver_address  # set in a fork of a server
+    parent = _parent_server()
     if os.environ.get(CHAIN_ENV) == "forked" and parent is not None:
-        server = forkserver.ForkServer()
-        server._forkserver_address = parent
-        server.ensure_running = lambda: None  # running: this process is a fork of it
-        return _ForkedServer(server)
+        return _ForkedServer(parent)
     return forkserver.ForkServer()
+
+
+def _parent_server() -> forkserver.ForkServer | None:
+    """The server this process is a fork of (a warm python's program, a forked pytest run), or None."""
+    address = forkserver._forkserver._forkserver_address  # set in a fork of a server
+    if address is None:
+        return None
+    server = forkserver.ForkServer()
+    server._forkserver_address = address
+    server.ensure_running = lambda: None  # running: this process is a fork of it
+    return server
+
+
+def fla_stage_from_parent_server() -> bool:
+    """In a process forked from a server that imported torch and fla (an xdist worker the suites
+    start warm): this process's fla stage is a fork of that server instead of a cold interpreter
+    importing them again. The torch stage stays cold: its ranks must not have fla imported. Whether
+    this process's fla stage is such a fork."""
+    parent = _parent_server()
+    if parent is None or not _fla_preload_allowed():
+        return False
+    key = (FLA_ROOT_PRELOAD, _import_env_key(os.environ))
+    with _lock:
+        if key not in _servers:
+            _servers[key] = _ForkedServer(parent)
+            _servers[key].set_forkserver_preload(list(FLA_ROOT_PRELOAD))
+        stage = _servers[key]
+    return isinstance(stage, _ForkedServer) and stage._parent._forkserver_address == parent._forkserver_address
 
 
 class _ForkedServer(forkserver.ForkServer):
@@ -224,6 +252,12 @@ def process_uses_fla() -> bool:
 def can_preload_fla(device: str) -> bool:
     """Whether a new pool on `device` would have fla imported in its ranks from the start."""
     return _use_servers(device) and _fla_preload_allowed()
+
+
+def can_fork_from_servers(device: str) -> bool:
+    """Whether processes on `device` may be forked from a preloaded server here (CPU, Linux, not
+    LINATTN_RANK_START=spawn)."""
+    return _use_servers(device)
 
 
 def _use_servers(device: str) -> bool:

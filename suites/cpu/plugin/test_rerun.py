@@ -377,7 +377,7 @@ def test_a_run_of_a_whole_suite_takes_its_xdist_workers(pytester, monkeypatch):
         out = runpytest_forked(pytester, "--co", *args).stdout.str()
         return next(line for line in out.splitlines() if line.startswith("home suites:"))
 
-    assert header("suites/cpu").endswith("-n 2, --dist load")
+    assert header("suites/cpu").endswith("-n 2, --dist load, workers forked from one server")
     for args in (["suites/cpu/test_where.py"], ["suites/cpu", "-n", "0"], ["suites/cpu", "-p", "no:xdist"]):
         assert "-n" not in header(*args), args
     monkeypatch.setenv("WORLD_SIZE", "2")
