@@ -58,16 +58,19 @@ def _wrong_tokens(per_token, bounds, rtol):
 
 def first_wrong_token(actual, expected, bounds, plans, calls, rtol) -> str:
     """The forward's: the first token in sequence order (earliest position; the lowest sequence on
-    a tie) that is off, and the call that ran it: where the carried state went wrong."""
+    a tie) that is off, and the call that ran it: where the carried state went wrong. When only
+    decode steps hold wrong tokens, it says every prefill chunk is right."""
     per_token = _per_token_error(actual, expected)
     hits = _wrong_tokens(per_token, bounds, rtol)
     if not hits:
         return ""
     n, position, t = min(hits, key=lambda h: (h[1], h[0]))
     where = token_calls(calls, expected.shape[1])
+    decode_only = all(calls[where[h[2]]].kind == "decode" for h in hits)
     return (f"first wrong token: sequence {n} ({plans[n]}), {describe_token(calls[where[t]], position, plans[n])}, "
             f"error {float(per_token[t]):.1e} of the tokens' RMS norm; sequences with a wrong token: "
-            f"{sorted({h[0] for h in hits})}")
+            f"{sorted({h[0] for h in hits})}"
+            + ("; only decode steps hold a wrong token: every prefill chunk is right" if decode_only else ""))
 
 
 def first_wrong_backward(actual, expected, bounds, plans, calls, rtol) -> str:

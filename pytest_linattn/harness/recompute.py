@@ -116,15 +116,19 @@ def replay_failures(label: str, recompute: str, calls_per_rank: dict) -> list[st
 
 def bitwise_failures(label: str, recompute: str, plain: dict, recomputed: dict, rank: str) -> list[str]:
     """Each named tensor of the run under recompute against the same run without it, bitwise:
-    one message for the rank listing every tensor that differs, or none."""
-    off = []
+    one message for the rank, or none. Its first line names the tensors that differ and those
+    that are equal (an output equal while the gradients differ: the forward computed the same, its
+    replay did not); then one line per tensor that differs, with its error."""
+    off, differ = [], []
     for name in plain:
         a, b = plain[name], recomputed.get(name)
         if a is None or b is None:
             if (a is None) != (b is None):
+                differ.append(name)
                 off.append(f"{name}: {'no tensor' if b is None else 'a tensor'} under recompute, "
                            f"{'none' if a is None else 'one'} without it")
         elif a.shape != b.shape:
+            differ.append(name)
             off.append(f"{name}: shape {tuple(b.shape)} under recompute, {tuple(a.shape)} without it")
         elif not torch.equal(a, b):  # NaN is never equal: never passes
             diff = (b.double() - a.double()).abs().nan_to_num(nan=float("inf"))
@@ -132,13 +136,21 @@ def bitwise_failures(label: str, recompute: str, plain: dict, recomputed: dict, 
             index = tuple(int(i) for i in torch.unravel_index(torch.tensor(worst), a.shape)) if a.dim() else ()
             scale = float(torch.linalg.vector_norm(a.double()))
             error = float(torch.linalg.vector_norm(diff)) / scale if scale else float("inf")
+            differ.append(name)
             off.append(f"{name}: {int((diff > 0).sum())} of {a.numel()} elements differ, the worst at {index} by "
                        f"{float(diff.reshape(-1)[worst]):.2e} (relative error {error:.2e})")
     if not off:
         return []
+    equal = [name for name in plain if name not in differ]
     return [f"{label} recompute={recompute!r}: on {rank}, {len(off)} of {len(plain)} tensors are not bitwise equal "
-            "to the same run without recompute (the replay computed something else than the forward: state the "
-            "forward changed?):\n  " + "\n  ".join(off)]
+            f"to the same run without recompute: {_names(differ)}; bitwise equal: {_names(equal) or 'none'} (the "
+            "replay computed something else than the forward: state the forward changed?):\n  " + "\n  ".join(off)]
+
+
+def _names(names: list[str], most: int = 12) -> str:
+    """The names, comma-separated; past `most`, the first ones and how many more."""
+    shown = ", ".join(names[:most])
+    return shown + (f" and {len(names) - most} more" if len(names) > most else "")
 
 
 def recompute_failures(case, results) -> list[str]:
@@ -170,8 +182,9 @@ def training_recompute_failures(label: str, recompute: str, placement, results) 
 
         def named(steps):
             out = {}
-            for s, (loss, norm, grads, weights) in enumerate(steps, start=1):
+            for s, (loss, norm, grads, weights, parts) in enumerate(steps, start=1):
                 out.update({f"step {s} loss part": loss, f"step {s} grad norm": norm})
+                out.update({f"step {s} loss part of micro-batch {m + 1}": part for m, part in parts.items()})
                 out.update({f"step {s} grad {n}": g for n, g in grads.items()})
                 out.update({f"step {s} weight {n}": w for n, w in weights.items()})
             return out

@@ -20,7 +20,13 @@ the pads too (random inputs, zero output cotangent: the loss mask); the referenc
 unpadded batch and only the real tokens are compared. What the ranks run:
 `pytest_linattn.harness.sharded_parity_rank`. A failing CP case whose ranks' outputs are the
 replicated layer's on the batch read in another layout (the layer has its own layout) says so
-first: "the layouts differ: ...".
+first: "the layouts differ: ...", and one whose ranks' outputs are the replicated layer's on the
+batch as one sequence says "the packing was lost: ...". A failing TP case whose `unshard` does not
+put the ranks' shards of the weights back together as the weights (the shard function splits a
+parameter otherwise) says that first too: "shard and unshard disagree: ...". Under each failing
+output or input-gradient check, the first wrong token (of each CP rank, where CP splits the
+tokens) says where a rank's state, halo or boundaries first went wrong; the worst element says
+where the error is largest.
 
 Gradient rule (the one place it is stated):
     TP-sharded parameters    each TP rank's gradient goes to the client's `unshard`, in TP rank
@@ -135,8 +141,9 @@ def assert_parity_cases(spawn, cases: Sequence[ParityCase], *, world_size: int |
             try:
                 _check_case(cases[i], results, references[i], bitwise_replicated)
             except AssertionError as exc:
-                note = _layout_note(cases[i], results)
-                raise AssertionError("\n\n".join([note] * bool(note) + [str(exc)] + replay)) from None
+                notes = [note for note in (_layout_note(cases[i], results), _packing_note(cases[i], results),
+                                           _shard_note(cases[i])) if note]
+                raise AssertionError("\n\n".join(notes + [str(exc)] + replay)) from None
             if replay:
                 raise AssertionError(f"recompute check failed for case {cases[i].name}: {len(replay)} failing "
                                      "check(s)\n\n" + "\n\n".join(replay))
@@ -294,12 +301,115 @@ def _layout_note(case: ParityCase, results) -> str:
     return ""
 
 
+def _packing_note(case: ParityCase, results) -> str:
+    """For a failing CP case of several packed sequences: a line saying the packing was lost when
+    the ranks' outputs are the replicated layer's on the batch as one sequence (cu_seqlens [0, T]),
+    else "". The sharded layer then ran its pieces without the packed boundaries (they did not
+    reach its CP context or its ops): state and conv run from one document into the next."""
+    p = case.placement
+    bounds = [int(b) for b in case.cu_seqlens.tolist()]
+    if p.cp == 1 or p.padded or len(bounds) <= 2:
+        return ""
+    whole = torch.tensor([0, bounds[-1]], dtype=case.cu_seqlens.dtype)
+    ref = case.reference
+    x = case.x.to(next(ref.parameters()).dtype)
+    with torch.no_grad():
+        y_one = (case.reference_forward(ref, x, whole) if case.reference_forward else ref(x, whole)).double()
+    holders = {(t, c): results[t + p.tp * c][0] for c in range(p.cp)
+               for t in (range(p.tp) if p.sequence_parallel else [0])}
+    try:
+        y = _gather_tokens(holders, y_one, case, "output")
+    except AssertionError:
+        return ""
+    error = float(torch.linalg.vector_norm(y - y_one) / torch.linalg.vector_norm(y_one))
+    if not error <= case.rtol:  # NaN never passes
+        return ""
+    return (f"the packing was lost: the ranks' outputs are the replicated layer's on the batch as one sequence "
+            f"(cu_seqlens [0, {bounds[-1]}], error {error:.1e}), not on its {len(bounds) - 1} packed sequences: the "
+            f"sharded layer runs its pieces without the boundaries (they did not reach its CP context or its ops), "
+            f"so state and conv run from one document into the next")
+
+
 def _check_tokens(holders, ref, case, name, what) -> None:
-    """The gathered `[1, T, ...]` tensor against `ref`, failures naming the ranks holding the worst token."""
+    """The gathered `[1, T, ...]` tensor against `ref`, failures naming the ranks holding the worst
+    token, then the first wrong token (of each rank, where the ranks split the tokens)."""
     __tracebackhide__ = True
     full = _gather_tokens(holders, ref, case, what)
-    assert_parity(full, ref, rtol=case.rtol, name=name, cu_seqlens=case.cu_seqlens,
-                  token_ranks=_token_ranks(holders, case))
+    ranks = _token_ranks(holders, case)
+    try:
+        assert_parity(full, ref, rtol=case.rtol, name=name, cu_seqlens=case.cu_seqlens, token_ranks=ranks)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{first_wrong_tokens(full, ref, case.cu_seqlens, ranks, case.rtol)}") from None
+
+
+def first_wrong_tokens(actual, expected, cu_seqlens, ranks, rtol) -> str:
+    """The first token (in global order) whose error, relative to the tokens' RMS norm, is over
+    `rtol` (NaN always), overall or, given `ranks` ({rank kind: the rank holding each token}), on
+    each rank: where a rank's state, halo or boundaries went wrong first. One line."""
+    scale = float(torch.linalg.vector_norm(expected.double())) / math.sqrt(max(expected.shape[1], 1)) or 1.0
+    per_token = torch.linalg.vector_norm((actual.double() - expected.double())[0].flatten(1), dim=1) / scale
+    bad = (~(per_token <= rtol)).tolist()
+    bounds = [int(b) for b in as_cu_seqlens(cu_seqlens).tolist()]
+
+    def where(t):
+        n = max(i for i in range(len(bounds) - 1) if bounds[i] <= t)
+        return f"seq {n} token {t - bounds[n]} (global {t})"
+
+    if not ranks:
+        first = next((t for t, b in enumerate(bad) if b), None)
+        return "first wrong token: " + ("none" if first is None else where(first))
+    holders = list(zip(*(r.tolist() for r in ranks.values())))
+    firsts = {}
+    for t, holder in enumerate(holders):
+        firsts.setdefault(holder, None)
+        if bad[t] and firsts[holder] is None:
+            firsts[holder] = t
+    words = []
+    for holder in sorted(firsts):
+        rank = ", ".join(f"{kind} {r}" for kind, r in zip(ranks, holder))
+        words.append(f"{rank} at " + ("none" if firsts[holder] is None else where(firsts[holder])))
+    return "first wrong token per rank: " + "; ".join(words)
+
+
+def _shard_note(case: ParityCase) -> str:
+    """For a failing TP case: a line saying the client's `shard` and `unshard` disagree, when the
+    TP ranks' shards of the reference's weights, put back together by `unshard`, are not the
+    weights (each such parameter named, with the rows that come back wrong and the first wrong
+    element in the layer's words), else "". The ranks then compute with other weights than the ones
+    their gradients are compared as: every tensor fails, and this says where it starts."""
+    p, layer = case.placement, case.layer
+    if p.tp == 1 or layer.shard is None or layer.unshard is None:
+        return ""
+    weights = {n: q.detach() for n, q in case.reference.named_parameters()}
+    try:
+        back = layer.unshard([layer.shard(weights, p, t) for t in range(p.tp)], p)
+    except Exception:  # noqa: BLE001 - a client whose unshard takes gradients only: no note
+        return ""
+    wrong = []
+    for name, w in weights.items():
+        b = back.get(name) if isinstance(back, dict) else None
+        if not isinstance(b, torch.Tensor) or tuple(b.shape) != tuple(w.shape) or w.dim() == 0:
+            continue
+        differs = b.detach().double().cpu() != w.double().cpu()
+        if not bool(differs.any()):
+            continue
+        rows = differs.reshape(w.shape[0], -1).any(1).tolist()
+        runs, start = [], None
+        for i, r in enumerate(rows + [False]):
+            if r and start is None:
+                start = i
+            elif not r and start is not None:
+                runs.append(f"{start}..{i - 1}" if i - 1 > start else f"{start}")
+                start = None
+        index = tuple(int(i) for i in torch.nonzero(differs)[0])
+        described = layer.describe_grad_element(name, index, p) if layer.describe_grad_element else None
+        first = f"{described} at index {index}" if described else f"index {index}"
+        wrong.append(f"{name} (rows {', '.join(runs)} of {w.shape[0]} differ; first: {first})")
+    if not wrong:
+        return ""
+    return (f"shard and unshard disagree: unshard of the TP ranks' shards is not the reference's weight in "
+            f"{'; '.join(wrong)}. Each rank computes with other weights than its gradients are compared as: fix "
+            f"the shard function (or unshard) of these parameters first")
 
 
 def _token_ranks(holders, case) -> dict | None:

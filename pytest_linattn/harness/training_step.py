@@ -11,10 +11,12 @@ world and for the replicated reference alike, S steps of:
     the global gradient norm (TrainingStep.grad_norm; default: each parameter counted once)
     clipping to max_norm, the optimizer step (AdamW by default)
 
-and after every step compares the loss (the ranks' parts added up), every rank's gradient norm,
-every gradient after the reduction and every parameter after the step: TP-sharded ones through
-the client's `unshard` on every CP rank, TP-replicated ones equal on every TP rank. A failure
-names the case, the step, the micro-batch count, the tensor and the TP / CP (/ DP) rank.
+and after every step compares the loss (the ranks' parts added up) and each micro-batch's loss,
+every rank's gradient norm, every gradient after the reduction and every parameter after the
+step: TP-sharded ones through the client's `unshard` on every CP rank, TP-replicated ones equal on
+every TP rank. A failure names the case, the step, the micro-batch count, the tensor and the TP /
+CP (/ DP) rank; a wrong loss, the first micro-batch whose loss is off ("loss by micro-batch:
+micro-batch 2 of 2 is the first off (cu_seqlens [...]) ...; right: [1]").
 
 With data_parallel = D > 1 the world is D copies of the placement (Megatron order: DP outermost)
 and DP rank d takes micro-batches d, d + D, ... of every step: the reference still runs them all,
@@ -127,8 +129,7 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
                 replay = training_recompute_failures(label, recompute, p, results)
                 results = [r[0] for r in results]
             try:
-                _check_steps(layer, p, results, ref_steps, rtol, bitwise_replicated, label, len(packings),
-                             data_parallel)
+                _check_steps(layer, p, results, ref_steps, rtol, bitwise_replicated, label, packings, data_parallel)
             except AssertionError as exc:
                 raise AssertionError("\n\n".join([str(exc)] + replay)) from None
             if replay:
@@ -136,11 +137,12 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
                                      + "\n\n".join(replay))
     return [{"loss": float(loss), "grad_norm": float(norm),
              "clipped": step.max_norm is not None and float(norm) > step.max_norm}
-            for loss, norm, _, _ in ref_steps]
+            for loss, norm, *_ in ref_steps]
 
 
 def _reference_steps(reference, packings, xs, dys, step: TrainingStep, reference_forward):
-    """The replicated layer's (loss, grad norm, gradients, parameters) after every step."""
+    """The replicated layer's (loss, grad norm, gradients, parameters, [each micro-batch's loss])
+    after every step."""
     ref = copy.deepcopy(reference)
     dtype = next(ref.parameters()).dtype
     params = list(ref.parameters())
@@ -151,23 +153,24 @@ def _reference_steps(reference, packings, xs, dys, step: TrainingStep, reference
     with torch.enable_grad():
         for s in range(step.steps):
             optimizer.zero_grad(set_to_none=True)
-            loss = torch.zeros((), dtype=torch.float64)
+            loss, parts = torch.zeros((), dtype=torch.float64), []
             for m, cu in enumerate(packings):
                 x, dy = xs[s][m].to(dtype), dys[s][m].to(dtype)
                 y = reference_forward(ref, x, cu) if reference_forward else ref(x, cu)
                 part = loss_fn(y, dy, int(cu[-1]), M)
                 part.backward()
-                loss += part.detach().double()
+                parts.append(part.detach().double())
+                loss += parts[-1]
             grads = {n: None if q.grad is None else q.grad.detach().clone() for n, q in ref.named_parameters()}
             norm = torch.stack([g.double().pow(2).sum() for g in grads.values() if g is not None]).sum().sqrt()
             if step.max_norm is not None:
                 torch.nn.utils.clip_grads_with_norm_([q for q in params if q.grad is not None], step.max_norm, norm)
             optimizer.step()
-            steps.append((loss, norm, grads, {n: q.detach().clone() for n, q in ref.named_parameters()}))
+            steps.append((loss, norm, grads, {n: q.detach().clone() for n, q in ref.named_parameters()}, parts))
     return steps
 
 
-def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_name, micro_batches, dp) -> None:
+def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_name, packings, dp) -> None:
     """Every step's checks; one AssertionError with all that fail, naming step and ranks."""
     __tracebackhide__ = True
     tp, cp = p.tp, p.cp
@@ -188,8 +191,8 @@ def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_na
         except AssertionError as exc:  # keep going: which tensors break, and from which step, tells
             failures.append(str(exc))
 
-    for s, (loss_ref, norm_ref, grads_ref, weights_ref) in enumerate(ref_steps):
-        label = f"{case_name} step {s + 1}/{len(ref_steps)} ({micro_batches} micro-batches)"
+    for s, (loss_ref, norm_ref, grads_ref, weights_ref, parts_ref) in enumerate(ref_steps):
+        label = f"{case_name} step {s + 1}/{len(ref_steps)} ({len(packings)} micro-batches)"
 
         def at(t, c, d, s=s):
             return results[t + tp * (c + cp * d)][s]
@@ -199,6 +202,9 @@ def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_na
         tp_holders = range(tp) if p.sequence_parallel else (0,)
         holders = [(t, c, d) for d in range(dp) for c in range(cp) for t in tp_holders]
         collect(assert_parity, sum(at(*h)[0] for h in holders), loss_ref, rtol=rtol, name=f"{label} loss")
+        # each micro-batch's loss, from the ranks holding its tokens (DP rank m % dp): which one goes wrong
+        parts = [sum(at(t, c, m % dp)[4][m] for c in range(cp) for t in tp_holders) for m in range(len(packings))]
+        collect(_check_micro_batch_losses, parts, parts_ref, packings, rtol, f"{label} loss by micro-batch")
         if not p.sequence_parallel:
             for t, c, d in ((t, c, d) for t in range(1, tp) for c in range(cp) for d in range(dp)):
                 collect(assert_parity, at(t, c, d)[0], at(0, c, d)[0], rtol=rtol,
@@ -218,6 +224,28 @@ def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_na
     if failures:
         raise AssertionError(f"training-step parity failed for case {case_name}: {len(failures)} failing check(s)\n\n"
                              + "\n\n".join(failures))
+
+
+def _check_micro_batch_losses(parts, parts_ref, packings, rtol: float, name: str) -> None:
+    """Each micro-batch's loss (its parts added over the ranks holding its tokens) against the
+    reference's, naming the first micro-batch that is off and every one that is off or right:
+    a bug that carries something from one micro-batch to the next (a cache, metadata, a buffer)
+    leaves the first right and the later ones wrong."""
+    __tracebackhide__ = True
+    errors = []
+    for got, ref in zip(parts, parts_ref):
+        got, ref = float(got), float(ref)
+        errors.append(abs(got - ref) / abs(ref) if ref else abs(got))
+    off = [m for m, e in enumerate(errors) if not (math.isfinite(float(parts[m])) and e <= rtol)]
+    if not off:
+        return
+    m, total = off[0], len(parts)
+    right = [n + 1 for n in range(total) if n not in off]
+    cu = [int(b) for b in packings[m].tolist()]
+    raise AssertionError(
+        f"{name}: micro-batch {m + 1} of {total} is the first off (cu_seqlens {cu}): "
+        f"{float(parts[m]):.6e}, the reference's {float(parts_ref[m]):.6e} (relative error {errors[m]:.2e}); "
+        f"off: micro-batches {[n + 1 for n in off]}; right: {right if right else 'none'}")
 
 
 def _ranks(c: int, d: int, dp: int) -> str:

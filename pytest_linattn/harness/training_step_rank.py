@@ -77,9 +77,9 @@ def default_grad_norm(module: torch.nn.Module, replicated, tp_group) -> torch.Te
 
 def run_training_on_rank(cases):
     """Rank function (for spawn): per case, per step, (loss part, grad norm, gradients after the
-    reduction, parameters after the optimizer step), whole tensors on this rank. Under recompute,
-    per case (those steps, the same steps without recompute, the checkpointed forwards' collectives
-    as {(step, micro-batch): calls per call of the forward})."""
+    reduction, parameters after the optimizer step, {micro-batch: its loss part}), whole tensors on
+    this rank. Under recompute, per case (those steps, the same steps without recompute, the
+    checkpointed forwards' collectives as {(step, micro-batch): calls per call of the forward})."""
     import torch.distributed as dist
 
     rank, device = dist.get_rank(), run_device()
@@ -133,6 +133,7 @@ def _train(case: RankTraining, groups, own, rank: int, device, recompute):
     M = len(case.micro_batches)
     snapshots, calls = [], {}
     for s in range(step.steps):
+        parts = {}  # this rank's loss part of each of its micro-batches
         if step.zero_grads is not None:
             step.zero_grads(module, optimizer)
         else:
@@ -153,7 +154,8 @@ def _train(case: RankTraining, groups, own, rank: int, device, recompute):
             part.backward()
             if layer.after_backward is not None:
                 layer.after_backward(module, p)
-            loss += part.detach().double().cpu()
+            parts[m] = part.detach().double().cpu()
+            loss += parts[m]
         if step.finalize_grads is not None:
             step.finalize_grads(module, p, groups)
         else:
@@ -166,7 +168,7 @@ def _train(case: RankTraining, groups, own, rank: int, device, recompute):
             clip([q for q in params if q.grad is not None], step.max_norm, norm)
         optimizer.step()
         weights = {n: _snapshot(q.detach()) for n, q in module.named_parameters()}
-        snapshots.append((loss, torch.as_tensor(whole(norm)).detach().double().cpu(), grads, weights))
+        snapshots.append((loss, torch.as_tensor(whole(norm)).detach().double().cpu(), grads, weights, parts))
     return snapshots, calls
 
 

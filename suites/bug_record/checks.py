@@ -5,6 +5,10 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     tp-parity      assert_sharded_parity at TP 2 (output, dx, every parameter gradient)
     tp-replicated  assert_sharded_parity at TP 4 beyond the key heads: 2 key heads (8 value heads),
                    each key head replicated over 2 ranks
+    tp-stack       assert_sharded_parity at TP 2 of a 2-layer decoder stack of the layer, sharded as sglang
+                   runs Qwen3.5 (suites/clients/tp_decoder.py: each layer's MLP all-reduce deferred to the
+                   next layer's input norm): the hidden state after each layer, then the final norm's
+                   output, each its own case; the report says which are off and which right
     cp-parity      assert_sharded_parity at CP 2, contiguous
     cp-short       assert_sharded_parity at CP 4 on 8 tokens: pieces of 2 < W-1 tokens
     cp-padded      assert_sharded_parity at CP 2, padded THD (zigzag over every sequence padded to a
@@ -30,10 +34,13 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    gives them; one token of each document perturbed, the others bitwise unchanged
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
+    kernel         fla's kernel against the float64 reference in the entry's kernel test (a bug the
+                   layers cannot reach); run by that test, never by `run`
 
 `run(spawn, check, subject)` raises AssertionError with the check's report when it fails; the
 subject is what the check takes (a ShardedLayer, a StatePath, a StatePoolPath, a SpecDecodePath, a
-PaddedStatePath, a layer class, a TrainingStep and its layer), None for the project's own. Reference
+PaddedStatePath, a layer class, a decoder stack class, a TrainingStep and its layer), None for the
+project's own (for tp-stack, the client stack of suites/clients/tp_decoder.py). Reference
 runs are cached: the rows of one check share one.
 """
 
@@ -92,6 +99,8 @@ FLOAT32_RTOL = 1e-5
 CHECKS = {
     "tp-parity": "TP parity (`assert_sharded_parity`, TP 2)",
     "tp-replicated": "TP parity beyond the key heads (`assert_sharded_parity`, TP 4, 2 key heads)",
+    "tp-stack": "TP parity of a decoder stack (`assert_sharded_parity`, TP 2, 2 layers: each layer's hidden state, "
+                "then the output)",
     "cp-parity": "CP parity (`assert_sharded_parity`, CP 2)",
     "cp-short": "CP parity, pieces shorter than W-1 (`assert_sharded_parity`, CP 4, 8 tokens)",
     "cp-padded": "CP parity, padded THD (`assert_sharded_parity`, CP 2, `zigzag-padded`)",
@@ -107,6 +116,7 @@ CHECKS = {
     "padded": "padded batches (`assert_padded_continuation_parity`, TP 2, left padded, pads straddling calls)",
     "training-tp": "training step (`assert_training_parity`, TP 2)",
     "training-cp": "training step (`assert_training_parity`, CP 2)",
+    "kernel": "fla's kernel against the float64 reference (`linattn.reference`), in its kernel test",
 }
 
 
@@ -202,6 +212,42 @@ def long_decode(spawn, path=None):
                               name="record")
 
 
+STACK_LAYERS = 2
+
+
+@functools.lru_cache(maxsize=1)
+def stack_reference():
+    """The replicated decoder stack of the record's layer (suites/clients/tp_decoder.py), seeded."""
+    from clients.tp_decoder import stack_reference as make
+
+    return make(CONFIG, STACK_LAYERS, SEED)
+
+
+def decoder_stack(spawn, stack_class=None):
+    """TP 2 parity of a decoder stack of `stack_class` (a planted TPDecoderStack; None: the client's):
+    the hidden state after each layer, then the final norm's output, each its own
+    assert_sharded_parity case. AssertionError naming the outputs that are off and those right,
+    then each off one's report."""
+    from clients.tp_decoder import TPDecoderStack, reference_forward, tp_decoder_stack
+
+    outputs = [(f"the hidden state after layer {k} of {STACK_LAYERS}", f"after-layer-{k}-of-{STACK_LAYERS}", k)
+               for k in range(1, STACK_LAYERS + 1)] + [("the output", "output", None)]
+    off, right, reports = [], [], []
+    for words, tag, k in outputs:
+        layer = tp_decoder_stack(CONFIG, stack_class or TPDecoderStack, layers=STACK_LAYERS, hidden_state_after=k)
+        try:
+            assert_sharded_parity(spawn, layer, stack_reference(), [Placement(tp=2)], CU,
+                                  hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
+                                  reference_forward=reference_forward(k), name=f"record/stack/{tag}")
+            right.append(words)
+        except AssertionError as exc:
+            off.append(words)
+            reports.append(str(exc))
+    if off:
+        raise AssertionError(f"decoder stack of {STACK_LAYERS} layers at TP 2: off: {', '.join(off)}; right: "
+                             f"{', '.join(right) or 'none'}\n\n" + "\n\n".join(reports))
+
+
 ISOLATION_DOCUMENTS = [6, 5, 7]  # each longer than the conv's reach (W - 1 = 3 tokens)
 
 
@@ -239,6 +285,8 @@ def run(spawn, check, subject=None):
         return _parity(spawn, subject, Placement(tp=2), CU)
     if check == "tp-replicated":
         return _parity(spawn, subject, Placement(tp=4), CU, replicated_heads_reference(), REPLICATED_CONFIG)
+    if check == "tp-stack":
+        return decoder_stack(spawn, subject)
     if check == "cp-parity":
         return _parity(spawn, subject, Placement(cp=2), CU)
     if check == "cp-short":
@@ -271,4 +319,6 @@ def run(spawn, check, subject=None):
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":
         return training(spawn, subject, Placement(cp=2))
+    if check == "kernel":
+        raise ValueError("the kernel check runs in the entry's kernel test (registry.Bug.kernel_test), not here")
     raise ValueError(f"unknown check {check!r}; the checks: {sorted(CHECKS)}")

@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from cases.layer_parity import linattn_layer
+from clients.per_token_loss import loss_with_token_count
+from clients.tp_decoder import TPDecoderStack
 from linattn.layers import GatedDeltaNet, build_layer, shard_state_dict
 from linattn.parallel import cp
 from linattn.parallel.cp import conv as cp_conv
@@ -33,14 +35,14 @@ class NormGradUnreducedWithoutSP(GatedDeltaNet):
         return super()._replicated(weight) if self.sequence_parallel else weight
 
 
-class OutputPartialSumNotReduced(GatedDeltaNet):
-    """sglang #19411: the row-parallel output's all-reduce (deferred to the layer's exit) is lost:
-    every TP rank returns its own heads' partial sum."""
+class DecoderLayersWithoutIsLastLayer(TPDecoderStack):
+    """sglang #19411 (fixed by that PR): Qwen3.5's decoder layers did not pass is_last_layer to their
+    LayerCommunicator (default False), so at TP >= 2 every layer, the last one too, skipped its MLP
+    all-reduce for the next layer's fused all-reduce + residual add + norm; after the last layer no
+    such layer runs, and the final norm adds its un-reduced partial sum to the reduced residual."""
 
-    def _exit_tensor_parallel_region(self, partial_output):
-        if self.sequence_parallel:
-            return super()._exit_tensor_parallel_region(partial_output)
-        return partial_output
+    def layer_options(self, index, layers):
+        return {}
 
 
 def shard_fused_in_proj_evenly(config, full, placement, tp_rank):
@@ -101,15 +103,35 @@ class ConvPaddedToFixedLength(GatedDeltaNet):
         return super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)
 
 
-def halo_from_previous_rank_only(x, ctx, W):
-    """fla #774's class: every halo token read from rank r-1's tail, also where the sequence's
-    earlier tokens lie on rank r-2 (a piece shorter than W-1)."""
+class _MaskedForwardOnly(torch.autograd.Function):
+    """`window * mask` forward; the window's whole gradient backward (the mask not applied)."""
+
+    @staticmethod
+    def forward(ctx, window, mask):
+        return window * mask
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def halo_gradient_unmasked(x, ctx, W):
+    """fla #774 (fla's `_correct_dx_for_cp` before 7cbe461b), in linattn's halo exchange: the piece's
+    first sequence gets an initial state of the W-1 positions before the piece, its tokens in the
+    last min(W-1, first_seq_offset) of them and zeros before (the forward masks: outputs right);
+    the backward sends every position's gradient back to the token there, the masked ones too, so
+    where the sequence started fewer than W-1 tokens before the piece, the gradient of the zeros
+    lands on the tokens of the sequence before it (on this or an earlier rank)."""
     local = ctx.local_tokens
     n_tail = min(W - 1, local)
-    tails = cp_conv.all_gather_from_cp_ranks(x[0, local - n_tail:], ctx.group)
-    halo_len = min(W - 1, ctx.first_seq_offset[ctx.cp_rank])
-    pos = torch.arange(ctx.start - halo_len, ctx.start)
-    return tails[ctx.cp_rank - 1, (pos - ctx.start) % n_tail]
+    tails = cp_conv.all_gather_from_cp_ranks(x[0, local - n_tail:], ctx.group)  # [cp, n_tail, ...]
+    window = min(W - 1, ctx.start)  # the positions before the piece (none before the batch's first token)
+    pos = torch.arange(ctx.start - window, ctx.start)
+    src = pos // local
+    tokens = tails[src, pos - (src * local + local - n_tail)]
+    halo_len = min(W - 1, ctx.first_seq_offset[ctx.cp_rank])  # the positions the sequence's own tokens fill
+    mask = (torch.arange(window, device=x.device) >= window - halo_len).to(x.dtype).unsqueeze(-1)
+    return _MaskedForwardOnly.apply(tokens, mask)
 
 
 @contextlib.contextmanager
@@ -122,12 +144,12 @@ def _swapped(module, name, value):
         setattr(module, name, saved)
 
 
-class HaloFromPreviousRankOnly(GatedDeltaNet):
-    """The layer whose CP conv takes every halo token from the previous rank (swapped in for its
-    own calls only: the rank processes are shared by other tests)."""
+class HaloGradientUnmasked(GatedDeltaNet):
+    """The layer whose CP conv's halo gradient is not masked (`halo_gradient_unmasked`, swapped in
+    for its own calls only: the rank processes are shared by other tests)."""
 
     def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
-        with _swapped(cp_conv, "_halo", halo_from_previous_rank_only):
+        with _swapped(cp_conv, "_halo", halo_gradient_unmasked):
             return super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)
 
 
@@ -167,9 +189,15 @@ def all_reduce_replicated_grads(module, placement):
         dist.all_reduce(module.norm.weight.grad, group=module.tp_group)
 
 
-def loss_averaged_per_rank(y, dy, tokens, micro_batches):
-    """verl #6609: the token mean over this CP rank's tokens instead of the whole micro-batch's."""
-    return (y * dy).sum() / (y.shape[1] * micro_batches)
+def loss_without_token_count(y, dy, per_token):
+    """verl #6609: the loss function returns the legacy 2-tuple (loss, metrics) also under per-token
+    loss, where megatron-core expects (loss, num_tokens, metrics): the per-token loss, a token sum,
+    reaches a trainer that takes a 2-tuple's loss as normalised, and no count reaches the division
+    (finalize_model_grads gets 0 tokens: no division). verl's own policy loss it normalised itself;
+    the sums left to Megatron were the MoE aux / z-losses. The layer has none: the sum left
+    un-normalised here is the main loss's (suites/clients/per_token_loss.py's trainer)."""
+    outputs = loss_with_token_count(y, dy, per_token)
+    return outputs[0], outputs[-1]  # (loss, metrics) whatever the mode: verl #6836's 3-tuple undone
 
 
 # ---- the clients ---------------------------------------------------------------------------------
@@ -217,21 +245,15 @@ class UnpaddedOffsets(GatedDeltaNet):
         return dataclasses.replace(cp.build_context(wrong, self.cp_group), relayout=right.relayout)
 
 
-class ConvWeightGradFromFirstRow(GatedDeltaNet):
-    """fla #955: with B > 1 the conv backward takes dweight from batch row 0 only (dx right).
-    The layer's batches are packed, B = 1: row 0 is everything."""
-
-    def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
-        if xs[0].shape[0] == 1:
-            return super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)
-        first = super()._short_conv([x[:1] for x in xs], weights, cu_seqlens, cp_context, carry)
-        rest = super()._short_conv([x[1:] for x in xs], [w.detach() for w in weights], cu_seqlens, cp_context, carry)
-        return [torch.cat([a, b]) for a, b in zip(first, rest)]
+# ---- kernel-level plants: the record's kernel tests apply them to fla's kernels -----------------
 
 
-class _GradReadAsContiguous(torch.autograd.Function):
-    """Identity forward; backward reads the incoming gradient's storage with contiguous strides
-    (fla #871 / #1138: dy's strides hard-coded)."""
+class GradReadAsContiguous(torch.autograd.Function):
+    """fla #871 / #1138: identity forward; backward reads the incoming gradient's storage with
+    contiguous strides (dy's strides hard-coded), wrong only when it arrives as a strided view (a
+    split of a fused gradient). A kernel-level plant: the record's kernel tests apply it to fla's
+    conv output (suites/fla-interpret/test_conv_backward_record.py, suites/gpu-1/test_bug_record_gpu1.py);
+    the layers hand the conv contiguous gradients, so a layer carrying it would change nothing."""
 
     @staticmethod
     def forward(ctx, x):
@@ -243,14 +265,6 @@ class _GradReadAsContiguous(torch.autograd.Function):
             return dy
         strides = torch.empty(dy.shape, device="meta").stride()
         return torch.as_strided(dy, dy.shape, strides, dy.storage_offset())
-
-
-class ConvReadingDyAsContiguous(GatedDeltaNet):
-    """The conv's backward reading dy as contiguous: wrong only when the conv output's gradient
-    arrives as a strided view (a split of a fused tensor's gradient)."""
-
-    def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
-        return [_GradReadAsContiguous.apply(y) for y in super()._short_conv(xs, weights, cu_seqlens, cp_context, carry)]
 
 
 # ---- activation recompute (class H): bugs only the checkpoint's replay exposes -------------------

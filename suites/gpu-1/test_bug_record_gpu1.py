@@ -1,10 +1,19 @@
-"""The bug record's GPU rows (class I: stride- and batch-shape-dependent kernel bugs), on fla's
-own short-conv kernel in bf16 against the float64 reference (suites/bug_record/registry.py:
-fla-871-1138, fla-955). The CPU record holds their strict xfails: linattn's packed layers hand the
-conv B = 1 and contiguous gradients, so only a kernel-level check sees them.
+"""The bug record's kernel rows (suites/bug_record/registry.py: fla-955, fla-871-1138) on fla's
+compiled short-conv kernels in bf16 on one GPU, against the float64 reference: the checks of
+suites/fla-interpret/test_conv_backward_record.py (the same kernels under Triton's interpreter,
+float32, on a CPU), where the record's rows are generated from. suites/cases/conv_backward.py
+says what each bug is and where in fla 0.6.0's ``fla/modules/causal_conv1d/ops.py`` it lives.
 
-Each check runs on fla's kernel as it is (it must pass) and on the plant (it must fail, naming
-the tensor and where): dy read with contiguous strides; dweight from batch row 0 only.
+- fla-955 (fla PR #955, open): live in fla 0.6.0, no plant: fla's own ``causal_conv1d`` with
+  cu_seqlens and a batch of 2 rows, the trigger the PR describes. y and dx right, dweight summed
+  over weight-gradient rows no program wrote (NaN: the backward runs with PyTorch's fill of
+  uninitialized memory). A strict xfail for that reason only; the same check passes on the same
+  tokens packed as one row and on two rows without cu_seqlens.
+- fla-871-1138 (fla #871, #1138): fixed in fla 0.6.0. Its check gives fla's backward a strided dy
+  (the conv's slice of a fused ``[1, T, 3D]`` gradient) with cu_seqlens and an initial state, so
+  the dh0 kernel (#1138) runs too: fla's kernels must be right. The bug itself is a plant applied
+  here, in the test (`bug_record.plants_layer.GradReadAsContiguous` on fla's output reads dy as
+  contiguous), which the check must catch, dx and dh0 named.
 """
 
 import pytest
@@ -14,68 +23,51 @@ from cases.gpu import BF16_RTOL as RTOL, require_cuda_and_fla
 
 require_cuda_and_fla()
 
-from bug_record.plants_layer import _GradReadAsContiguous  # noqa: E402
-from fla.modules.convolution import causal_conv1d  # noqa: E402
-from linattn import reference  # noqa: E402
+from bug_record.plants_layer import GradReadAsContiguous  # noqa: E402
+from cases.conv_backward import (DweightFromUnwrittenRows, assert_conv_grads, assert_varlen_batch, draw,  # noqa: E402
+                                 fla_conv, flat_cu_seqlens, reference_grads)
 from pytest_linattn.parity import assert_parity, capture_records  # noqa: E402
 
 pytestmark = pytest.mark.gpus(1)
 
-SEED, T, D, W = 955, 300, 192, 4
+ROW_CUS = [[0, 100, 300], [0, 37, 300]]  # 2 rows of 300 tokens, 2 sequences each: 12 chunks of 64
+CU = flat_cu_seqlens(ROW_CUS)  # [0, 100, 300, 337, 600]: over the 600 flattened tokens
+D, SEED = 192, 955
+BF16 = torch.bfloat16
 
 
-def _inputs(batch, fused):
-    """x `[batch, T, D]`, weight `[D, W]` and dy, drawn in float64 and rounded to bf16; dy a
-    strided view (the first D channels of a fused `[batch, T, 3D]` gradient) when `fused`."""
-    gen = torch.Generator().manual_seed(SEED + batch + fused)
-    x = torch.randn(batch, T, D, generator=gen, dtype=torch.float64).to(torch.bfloat16).double()
-    w = (torch.randn(D, W, generator=gen, dtype=torch.float64) / W ** 0.5).to(torch.bfloat16).double()
-    dy = torch.randn(batch, T, 3 * D if fused else D, generator=gen, dtype=torch.float64).to(torch.bfloat16).double()
-    return x, w, dy
+@pytest.mark.xfail(strict=True, raises=DweightFromUnwrittenRows, reason=(
+    "fla PR #955 (open), live in fla 0.6.0: causal_conv1d with cu_seqlens and B > 1 returns a wrong dweight "
+    "(y and dx right): the backward sizes its weight-gradient buffer B*NT rows, its varlen branch writes NT "
+    "of them and dweight sums all B*NT"))
+def test_varlen_batch_of_two_rows_dweight():
+    values = draw(SEED, len(ROW_CUS), ROW_CUS[0][-1], D, dtype=BF16)
+    results, _ = fla_conv(values, cu_seqlens=CU, rows=len(ROW_CUS), device="cuda", dtype=BF16)
+    assert_varlen_batch(results, reference_grads(values, ROW_CUS), rtol=RTOL, cu_seqlens=CU,
+                        name="causal_conv1d B=2 cu_seqlens")
 
 
-def _reference(x, w, dy):
-    """dx, dw of the float64 reference, one batch row at a time (dy contiguous)."""
-    x, w = x.clone().requires_grad_(), w.clone().requires_grad_()
-    y = torch.cat([reference.short_conv(x[b:b + 1], w, activation="silu") for b in range(x.shape[0])])
-    (y * dy[..., :D].contiguous()).sum().backward()
-    return x.grad, w.grad
+@pytest.mark.parametrize("rows, cu_seqlens", [(1, CU), (2, None)], ids=["one_packed_row", "two_rows_no_cu_seqlens"])
+def test_conv_backward_right_paths(rows, cu_seqlens):
+    # the check above is sound: the same tokens as one packed row, and two rows without cu_seqlens
+    values = draw(SEED, len(ROW_CUS), ROW_CUS[0][-1], D, dtype=BF16)
+    row_cus = ROW_CUS if cu_seqlens is not None else [[0, ROW_CUS[0][-1]]] * len(ROW_CUS)
+    results, _ = fla_conv(values, cu_seqlens=cu_seqlens, rows=rows, device="cuda", dtype=BF16)
+    assert_conv_grads(results, reference_grads(values, row_cus), rtol=RTOL, cu_seqlens=flat_cu_seqlens(row_cus),
+                      name=f"causal_conv1d rows={rows}")
 
 
-def _fla(x, w, dy, plant=None):
-    """dx, dw of fla's causal_conv1d in bf16 on CUDA, dy passed as given (strided or not)."""
-    x = x.to("cuda", torch.bfloat16).requires_grad_()
-    w = w.to("cuda", torch.bfloat16).requires_grad_()
-    if plant == "weight-grad-from-row-0":
-        y = torch.cat([causal_conv1d(x[:1], weight=w, activation="silu")[0],
-                       causal_conv1d(x[1:], weight=w.detach(), activation="silu")[0]])
-    else:
-        y = causal_conv1d(x, weight=w, activation="silu")[0]
-    if plant == "dy-read-contiguous":
-        y = _GradReadAsContiguous.apply(y)
-    dy = dy.to("cuda", torch.bfloat16)
-    y.backward(dy[..., :D])
-    return x.grad, w.grad
+def test_strided_dy_into_the_varlen_conv_backward():
+    # fla #871 / #1138 (fixed in 0.6.0): fla's kernels right on a strided dy, the plant caught
+    cu = ROW_CUS[0]
+    values = draw(SEED + 1, 1, cu[-1], D, dtype=BF16, fused=True, states=len(cu) - 1)
+    ref = reference_grads(values, [cu])
+    results, arrived = fla_conv(values, cu_seqlens=cu, rows=1, device="cuda", dtype=BF16)
+    assert arrived == [False], f"fla's output got contiguous gradients {arrived}: the check needs a strided dy"
+    assert_conv_grads(results, ref, rtol=RTOL, cu_seqlens=cu, name="causal_conv1d strided dy")
 
-
-def _check(batch, fused, plant=None):
-    x, w, dy = _inputs(batch, fused)
-    dx_ref, dw_ref = _reference(x, w, dy)
-    dx, dw = _fla(x, w, dy, plant)
-    assert_parity(dx, dx_ref, rtol=RTOL, name="causal_conv1d dx")
-    assert_parity(dw, dw_ref, rtol=RTOL, name="causal_conv1d dweight", activations=False)
-
-
-def test_strided_dy_into_the_conv_backward():
-    # fla #871 / #1138: the backward read dy with hard-coded contiguous strides
-    _check(batch=1, fused=True)
-    with capture_records(), pytest.raises(AssertionError, match=r"causal_conv1d dx: .*\n.*\n\s+causal_conv1d dx\s"):
-        _check(batch=1, fused=True, plant="dy-read-contiguous")
-
-
-def test_batch_of_two_rows_through_the_conv_backward():
-    # fla #955: with B > 1 dweight came from part of the batch only (dx right)
-    _check(batch=2, fused=False)
-    with capture_records(), pytest.raises(AssertionError, match=r"causal_conv1d dweight: .*\n.*\n\s+causal_conv1d "
-                                                                r"dweight\s.*row \d+, col \d+"):
-        _check(batch=2, fused=False, plant="weight-grad-from-row-0")
+    planted, _ = fla_conv(values, cu_seqlens=cu, rows=1, device="cuda", dtype=BF16, plant=GradReadAsContiguous)
+    with capture_records(), pytest.raises(AssertionError, match=r"\n\s+planted dx\s.*seq \d+ token \d+"):
+        assert_parity(planted["dx"], ref["dx"], rtol=RTOL, name="planted dx", cu_seqlens=torch.tensor(cu))
+    with capture_records(), pytest.raises(AssertionError, match=r"\n\s+planted dh0\s"):
+        assert_parity(planted["dh0"], ref["dh0"], rtol=RTOL, name="planted dh0", activations=False)

@@ -157,6 +157,27 @@ def test_wrong_decode_gradient_is_located_at_the_decode_step(spawn):
             "its error): sequence 0 (chunks 1+3+4, then 2 decode steps), decode step 2 of 2 (token 9)") in report, report
 
 
+def decode_from_half_the_recurrent_state(module, x, state, placement):
+    """The decode step reads its recurrent state halved; the prefill calls are right."""
+    return module.step(x, LayerState(state.conv, 0.5 * state.recurrent))
+
+
+def test_a_bug_of_the_decode_step_alone_is_told_so(spawn):
+    # every wrong token is in a decode step: the report says every prefill chunk is right (the first wrong
+    # token is the first decoded one of the shortest prefill, sequence 2's token 3)
+    with pytest.raises(AssertionError) as info:
+        check(spawn, linattn_state_path(CONFIG, decode=decode_from_half_the_recurrent_state), [Placement()])
+    report = str(info.value)
+    assert ("first wrong token: sequence 2 (chunks 3, then 2 decode steps), decode step 1 of 2 (token 3), "
+            "error ") in report, report
+    assert ("of the tokens' RMS norm; sequences with a wrong token: [0, 1, 2]; only decode steps hold a wrong token: "
+            "every prefill chunk is right\n") in report, report
+    # a prefill bug's wrong tokens start in a prefill chunk: no such words
+    with pytest.raises(AssertionError) as info:
+        check(spawn, linattn_state_path(CONFIG, prefill=prefill_restarting_the_recurrent_state), [Placement()])
+    assert "first wrong token: " in str(info.value) and "only decode steps" not in str(info.value), str(info.value)
+
+
 # ---- the CP gradient rule --------------------------------------------------------------------------
 
 

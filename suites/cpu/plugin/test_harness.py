@@ -66,6 +66,8 @@ class ToyMixer(nn.Module):
         cu, cp, layout = cu_seqlens.cpu(), self.placement.cp, self.placement.cp_layout
         if self.bug == "contiguous_only":  # a layer with its own layout, whatever the placement says
             layout = "contiguous"
+        if self.bug == "no_boundaries":  # the packing lost: the batch taken as one sequence
+            cu = cu[[0, -1]]
         mine = cp_token_index(cu, group_rank(self.cp_group), cp, layout)
         if self.bug == "no_halo":  # only the tokens this rank holds
             held, tokens = mine, x
@@ -212,9 +214,61 @@ def test_parameter_gradient_located_by_the_client(spawn):
     with capture_records(), pytest.raises(AssertionError) as info:
         assert_sharded_parity(spawn, toy_client("reversed"), toy_reference(), [Placement(tp=2)], CU,
                               hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    # the gradient table's row (the note before the report names fc1.weight too)
     (unit, feature, tp_rank, row, col), = re.findall(
-        r"fc1.weight .* hidden unit (\d+), input (\d+) \(TP rank (\d)\) at index \((\d+), (\d+)\)", str(info.value))
+        r"\n\s+fc1.weight .* hidden unit (\d+), input (\d+) \(TP rank (\d)\) at index \((\d+), (\d+)\)",
+        str(info.value))
     assert (unit, feature) == (row, col) and int(tp_rank) == int(unit) // (HIDDEN // 2)
+
+
+@pytest.mark.parametrize("bug", ["swapped_rows", "reversed"])
+def test_shard_and_unshard_that_disagree_are_told_first(spawn, bug):
+    # the shard function flips fc1's rows, or unshard puts the ranks' rows back in reversed order:
+    # the shards put back together are not the weights, every row of fc1 comes back elsewhere
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client(bug), toy_reference(), [Placement(tp=2)], CU, hidden_size=DIM,
+                              seed=1, rtol=RTOL, name="toy")
+    note, report = str(info.value).split("\n\n", 1)
+    assert note == (f"shard and unshard disagree: unshard of the TP ranks' shards is not the reference's weight in "
+                    f"fc1.weight (rows 0..{HIDDEN - 1} of {HIDDEN} differ; first: hidden unit 0, input 0 (TP rank 0) "
+                    "at index (0, 0)). Each rank computes with other weights than its gradients are compared as: fix "
+                    "the shard function (or unshard) of these parameters first"), note
+    assert report.startswith("parity failed for case toy/tp2/seed1"), report
+    # a client whose shard and unshard agree fails for its own bug, without the note
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("unreduced"), toy_reference(), [Placement(tp=2)], CU,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    assert str(info.value).startswith("parity failed for case toy/tp2/seed1"), str(info.value)
+
+
+def test_first_wrong_token_is_named_on_each_cp_rank(spawn):
+    # a dropped halo: CP rank 0 needs none and is right; rank 1's first token (global 8, sequence 1's
+    # token 5) misses its previous token, on rank 0
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("no_halo"), toy_reference(), [Placement(cp=2)], CU, hidden_size=DIM,
+                              seed=1, rtol=RTOL, name="toy")
+    output = str(info.value).split("parity failed for toy/cp2-contiguous/seed1 output")[1].split("\n\n")[0]
+    assert output.endswith("\nfirst wrong token per rank: CP rank 0 at none; CP rank 1 at seq 1 token 5 (global 8)")
+    # without CP: one first wrong token, the first of the batch here (fc1's rows flipped)
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("swapped_rows"), toy_reference(), [Placement(tp=2)], CU,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    assert "tp_rank0  " in str(info.value) and "\nfirst wrong token: seq 0 token 0 (global 0)\n" in str(info.value)
+
+
+def test_a_layer_that_loses_the_packing_under_cp_is_told_so(spawn):
+    # the layer takes the batch as one sequence: its ranks' outputs are the reference's on [0, T]
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_sharded_parity(spawn, toy_client("no_boundaries"), toy_reference(), [Placement(cp=2)], CU,
+                              hidden_size=DIM, seed=1, rtol=RTOL, name="toy")
+    note, report = str(info.value).split("\n\n", 1)
+    assert re.fullmatch(r"the packing was lost: the ranks' outputs are the replicated layer's on the batch as one "
+                        r"sequence \(cu_seqlens \[0, 16\], error \S+\), not on its 4 packed sequences: the "
+                        r"sharded layer runs its pieces without the boundaries \(they did not reach its CP context or "
+                        r"its ops\), so state and conv run from one document into the next", note), note
+    assert report.startswith("parity failed for case toy/cp2-contiguous/seed1"), report
+    # at CP rank 0, the first packed boundary (token 3) is the first wrong token
+    assert "first wrong token per rank: CP rank 0 at seq 1 token 0 (global 3); CP rank 1 at" in report, report
 
 
 # linattn's layer (4 key heads of dk 8, value heads 2 per key head of dv 6) at TP = 2: the worst

@@ -109,6 +109,10 @@ def test_state_mutated_in_forward_is_caught(spawn, mode):
     assert re.search(rf"{case} recompute='{mode}': on rank 0 \(TP rank 0, CP rank 0\), \d+ of \d+ tensors are not "
                      r"bitwise equal to the same run without recompute", message), message
     assert re.search(r"\n  grad in_proj_qkv.weight: \d+ of \d+ elements differ, the worst at \(\d+, \d+\)", message)
+    # its first line names the tensors: the input gradient and every parameter gradient differ, the output is equal
+    grads = ", ".join(f"grad {n}" for n, _ in build_layer(config).named_parameters())
+    assert (f"not bitwise equal to the same run without recompute: dx, {grads}; bitwise equal: output (the replay "
+            "computed something else than the forward") in message, message
     assert re.search(rf"parity failed for case {case}: \d+ failing check\(s\)", message), message
     # the output comes from the first forward, which is right: what went wrong is the replay
     assert f"{case} output" not in message and "\n  output:" not in message, message

@@ -109,6 +109,32 @@ def test_a_reduction_per_backward_passes_one_backward_but_not_accumulation(spawn
     assert re.search(r"step 1/2 \(2 micro-batches\) grad: 1 of 3 tensor\(s\) off.*\n.*\n\s+norm_weight ", text), text
 
 
+def forward_off_after_the_first_call(module, x, cu_seqlens, placement):
+    """The layer's forward, its output scaled once the module has run before (something kept from one
+    micro-batch to the next): the step's first micro-batch is right, every later one wrong."""
+    y = module(x, cu_seqlens)
+    ran = module.__dict__.setdefault("calls", 0)
+    module.calls = ran + 1
+    return y * 1.5 if ran else y
+
+
+def test_the_first_micro_batch_whose_loss_is_off_is_named(spawn):
+    layer = ShardedLayer(_build, _shard, _unshard, replicated={"norm_weight"}, forward=forward_off_after_the_first_call)
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_training_parity(spawn, layer, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
+                               seed=5, rtol=RTOL, step=ONCE_PER_STEP)
+    text = str(info.value)
+    assert re.search(r"tp2/seed5 step 1/2 \(2 micro-batches\) loss by micro-batch: micro-batch 2 of 2 is the first off "
+                     r"\(cu_seqlens \[0, 9, 16\]\): \S+, the reference's \S+ \(relative error 5\.00e-01\); off: "
+                     r"micro-batches \[2\]; right: \[1\]", text), text
+    assert "step 2/2 (2 micro-batches) loss by micro-batch: micro-batch 1 of 2 is the first off" in text, text
+    # a bug that leaves every micro-batch's loss right (a reduction per backward) gets no such line
+    with capture_records(), pytest.raises(AssertionError) as info:
+        assert_training_parity(spawn, PER_BACKWARD, _reference(), [Placement(tp=2)], MICRO_BATCHES, hidden_size=DIM,
+                               seed=5, rtol=RTOL, step=TrainingStep(steps=1, max_norm=0.05))
+    assert "loss by micro-batch" not in str(info.value), str(info.value)
+
+
 # Data-parallel replicas: the client's groups add a DP group (the ranks of the same TP and CP rank),
 # and its reduction sums every gradient over it; DP rank d trains micro-batches d, d + 2, ...
 def _groups_with_dp(placement):
