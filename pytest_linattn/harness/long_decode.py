@@ -65,15 +65,22 @@ def run_long_decode_on_rank(case: RankLongDecode) -> dict:
     decode = path.decode or default_decode
     cu = torch.arange(N + 1, device=device) * case.prefill
     ys, states = [], []
+    # every call's outputs and state are kept as copies: a client may update its state in place and
+    # return the same tensors (as a serving pool is updated), and .cpu() on a CPU copies nothing
     with torch.no_grad():
         y, state = prefill(module, x[:, :case.prefill].reshape(1, -1, x.shape[2]), cu, None, p)
-        ys.append(y.detach().cpu().double().view(N, case.prefill, -1))
-        states.append([t.detach().cpu() for t in state])
+        ys.append(_kept(y).double().view(N, case.prefill, -1))
+        states.append([_kept(t) for t in state])
         for t in range(case.prefill, case.prefill + case.steps):
             y, state = decode_in_layout(decode, module, x[:, t].unsqueeze(0), state, p, path.decode_layout)
-            ys.append(y.detach().cpu().double().view(N, 1, -1))
-            states.append([s.detach().cpu() for s in state])
+            ys.append(_kept(y).double().view(N, 1, -1))
+            states.append([_kept(s) for s in state])
     return dict(y=torch.cat(ys, dim=1), states=states, names=field_names(state), type=type(state))
+
+
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of a client's tensor on the CPU, in its dtype (never the tensor itself)."""
+    return tensor.detach().to("cpu", copy=True)
 
 
 def long_decode_errors(spawn, path: StatePath, reference: torch.nn.Module, placement: Placement, *,

@@ -1,8 +1,9 @@
 """The serving modes' schedules and their words (the state pool's, shared by speculative decoding
 and padded batches): which placements the modes take, CP fillers, the state pool's call schedule
-(admission, padded decode calls, prefix snapshots and hits) and how a report names a call and a
-rank. pytest_linattn.harness.state_pool's docstring says what the schedule does. This module
-imports no pytest."""
+(admission around reserved slots, padded decode calls and where their padding rows point, prefix
+snapshots and hits), the fill of the slots no sequence holds, the paths' `state_dtypes` rule and
+how a report names a call and a rank. pytest_linattn.harness.state_pool's docstring says what the
+schedule does. This module imports no pytest."""
 from __future__ import annotations
 
 import dataclasses
@@ -15,12 +16,31 @@ from .continuation_plans import cp_filler
 from .placement import Placement
 from .state_pool_rank import PoolCall
 
-__all__ = ["CAPTURE_SIZES", "PAD_TARGETS", "SENTINEL", "check_pool_placements", "check_prefix_hits", "describe_call",
-           "describe_fillers", "pool_schedule", "rank_note", "snapshots_of", "with_cp_fillers"]
+__all__ = ["CAPTURE_SIZES", "FREE_FILL", "PAD_TARGETS", "SENTINEL", "check_pool_placements", "check_prefix_hits",
+           "check_state_dtype_names", "check_state_dtypes", "describe_call", "describe_fillers", "free_fill",
+           "pool_schedule", "rank_note", "sequence_slots", "snapshots_of", "with_cp_fillers"]
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)  # decode batch sizes a graph is captured for
-PAD_TARGETS = ("sentinel", "slot 0", "free slot")  # what padding rows point at, in turn
+PAD_TARGETS = ("sentinel", "slot 0", "free slot")  # what padding rows point at, in turn (padding_slot None)
 SENTINEL = -1
+FREE_FILL = 1024.0  # the slots no sequence holds start at +-(FREE_FILL + |randn|): finite in bf16 and fp16
+
+
+def free_fill(values: torch.Tensor) -> torch.Tensor:
+    """Random `values` moved away from zero: +-(FREE_FILL + |v|), the sign of v (+ for 0). The fill
+    of the slots no sequence holds: never zero, never NaN (NaN would fail a bitwise comparison
+    with itself), and large, so a write there stands out in a report."""
+    return torch.where(values < 0, -1.0, 1.0).to(values.dtype) * (FREE_FILL + values.abs())
+
+
+def sequence_slots(count: int, reserved_slots=()) -> list[int]:
+    """The first `count` slot indices that are not reserved: where the sequences live."""
+    slots, s = [], 0
+    while len(slots) < count:
+        if s not in reserved_slots:
+            slots.append(s)
+        s += 1
+    return slots
 
 
 def check_pool_placements(placements, path, mode: str, state_fields=("shard_state", "unshard_state")) -> list:
@@ -42,6 +62,26 @@ def check_pool_placements(placements, path, mode: str, state_fields=("shard_stat
             raise ValueError(f"placement {p.name}: tp > 1 needs {type(path).__name__}."
                              + " and ".join(state_fields))
     return placements
+
+
+def check_state_dtypes(state_dtypes, owner: str):
+    """A path's `state_dtypes` as a dict {field name: floating-point torch.dtype}, or None (every
+    field in the ranks' dtype); ValueError naming the rule otherwise."""
+    if state_dtypes is None:
+        return None
+    if not (isinstance(state_dtypes, dict) and all(isinstance(k, str) and isinstance(v, torch.dtype)
+                                                   and v.is_floating_point for k, v in state_dtypes.items())):
+        raise ValueError(f"{owner}.state_dtypes must map field names to floating-point torch.dtypes (the pool's dtype "
+                         f"of each field named, e.g. {{'recurrent': torch.float32}}), got {state_dtypes!r}")
+    return dict(state_dtypes)
+
+
+def check_state_dtype_names(path, names) -> None:
+    """ValueError where the path's `state_dtypes` names a field the state does not have."""
+    for name in path.state_dtypes or {}:
+        if name not in names:
+            raise ValueError(f"{type(path).__name__}.state_dtypes names field {name!r}; the state's fields are "
+                             f"{list(names)}")
 
 
 def with_cp_fillers(calls, cp: int, hidden_size: int, gen, slot: int) -> list:
@@ -73,11 +113,16 @@ def describe_fillers(calls) -> str:
 
 
 def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES, block_size=None,
-                  prefix_hits=None) -> list[PoolCall]:
+                  prefix_hits=None, *, padding_slot=None, reserved_slots=()) -> list[PoolCall]:
     """The calls in order (module docstring): each step one prefill call, then one padded decode
-    call. Prefix mode: snapshot slots from P on, one per chunk ending on a block boundary; a
-    prefix hit's first chunk waits for the snapshot it starts from."""
-    waiting, live, free, done = list(range(len(plans))), {}, list(range(P)), {}
+    call. The pool's slots 0..P-1 less `reserved_slots` are the sequences' (the lowest free one
+    first); a reserved slot is never given to a sequence. Padding rows point at `padding_slot`:
+    -1, 0 (or another reserved slot), "free" (the lowest free slot), or None: the sentinel -1,
+    slot 0 and the lowest free slot in turn (-1 where none is free: a full pool). Prefix mode:
+    snapshot slots from P on, one per chunk ending on a block boundary; a prefix hit's first chunk
+    waits for the snapshot it starts from."""
+    waiting, live, done = list(range(len(plans))), {}, {}
+    free = [s for s in range(P) if s not in reserved_slots]
     progress = {n: 0 for n in range(len(plans))}  # work items done: chunks, then decode tokens
     calls, pads = [], 0
     hits = prefix_hits or {}
@@ -117,9 +162,18 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
             size = next((c for c in capture_sizes if c >= len(decoding)), len(decoding))
             slots = [live[n] for n in decoding]
             for _ in range(size - len(decoding)):
-                target = PAD_TARGETS[pads % len(PAD_TARGETS)]
-                pads += 1
-                slots.append(SENTINEL if target == "sentinel" else 0 if target == "slot 0" else free[0])
+                if padding_slot == "free":
+                    if not free:
+                        raise ValueError(f"padding_slot 'free': a decode call of sequences {decoding} pads while no "
+                                         f"slot is free (slots {sorted(live.values())} live): the pool needs a spare")
+                    slots.append(free[0])
+                elif padding_slot is not None:
+                    slots.append(padding_slot)
+                else:
+                    target = PAD_TARGETS[pads % len(PAD_TARGETS)]
+                    pads += 1
+                    slots.append(0 if target == "slot 0" else free[0] if target == "free slot" and free
+                                 else SENTINEL)
             tokens = torch.tensor([bounds[n] + restored[n] + sum(plans[n].chunks) + progress[n] - len(plans[n].chunks)
                                    for n in decoding])
             pad_x = torch.randn(1, size - len(decoding), hidden_size, generator=gen, dtype=torch.float64)

@@ -3,10 +3,15 @@ every sequence in one call and accept j <= K of them, as a serving engine's MTP 
 verify step does.
 
 Every sequence holds a slot of a pool (sequence n in slot N - n; slot 0 stays free) that starts
-filled with random values, never zeros. The calls run in order: prefill call k packs the k-th
-chunk of every sequence that has one (its first chunk marked fresh: it starts from zero, whatever
-its slot holds), then verify round r runs K tokens of every sequence that has a round r: the
-sequence's next j tokens (accepted), then K - j random drafts (rejected). The client's verify
+filled with random values, never zeros (slot 0 and the CP scratch slots, held by no sequence,
+with large ones: `serving_plans.free_fill`). The pool's fields are in the ranks' dtype, or per
+field in the path's `state_dtypes` (a float32 recurrent pool under bf16 ranks), and what the
+check keeps of them between calls keeps those dtypes.
+
+The calls run in order: prefill call k packs the k-th chunk of every sequence that has one (its
+first chunk marked fresh: it starts from zero, whatever its slot holds), then verify round r runs
+K tokens of every sequence that has a round r: the sequence's next j tokens (accepted), then
+K - j random drafts (rejected). The client's verify
 computes all K tokens from the slot's state; its accept then gets `num_accepted_tokens` `[N]` and
 must leave each slot holding the state after the sequence's j-th accepted token (j = 0: the state
 before the call), as vLLM's and fla's `num_accepted_tokens` interface does.
@@ -51,7 +56,8 @@ from .cases import ShardedLayer
 from .continuation_report import cp_view, field_names
 from .placement import Placement
 from .spec_decode_rank import RankSpec, SpecCall, run_spec_on_rank
-from .serving_plans import check_pool_placements, describe_fillers, rank_note, with_cp_fillers
+from .serving_plans import (check_pool_placements, check_state_dtype_names, check_state_dtypes, describe_fillers,
+                            free_fill, rank_note, with_cp_fillers)
 
 __all__ = ["SpecDecodePath", "SpecPlan", "assert_spec_decode_parity", "serial_run", "spec_schedule"]
 
@@ -102,6 +108,8 @@ class SpecDecodePath:
     slots_per_sequence: S; with S > 1 `slots` is `[N, S]` (each sequence's row of slots) in every
         call, and read_state(module, pool, slots, placement) -> the sequences' states (the
         pool's type, fields `[N, ...]`): where each one continues from after the call.
+    state_dtypes: {field name: torch.dtype}, the pool's dtype of those fields (e.g. {"recurrent":
+        torch.float32} under bf16 ranks); the others in the ranks' dtype. Default None: all.
     """
 
     layer: ShardedLayer
@@ -113,6 +121,7 @@ class SpecDecodePath:
     bonus_token: bool = False
     slots_per_sequence: int = 1
     read_state: Callable | None = None
+    state_dtypes: dict | None = dataclasses.field(default=None, hash=False)  # a dict: left out of the hash
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
@@ -129,6 +138,7 @@ class SpecDecodePath:
         if (self.shard_state is None) != (self.unshard_state is None):
             raise ValueError("SpecDecodePath.shard_state and unshard_state are given together "
                              "(or neither: tp = 1 only)")
+        object.__setattr__(self, "state_dtypes", check_state_dtypes(self.state_dtypes, "SpecDecodePath"))
         try:
             pickle.dumps(self)
         except Exception as exc:  # noqa: BLE001 - reported as bad input
@@ -166,6 +176,7 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
     forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
     serial_y, serial_states = serial_run(forward, reference, x, bounds)
+    check_state_dtype_names(path, field_names(serial_states))
     N = len(plans)
     S = path.slots_per_sequence
     # under CP, slots after the others for the fillers (a row of S like a sequence's)
@@ -173,6 +184,9 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
         if any(p.cp > 1 for p in placements) else None
     fields = [torch.randn((N * S + 1 + (S if scratch is not None else 0),) + tuple(t.shape[2:]), generator=gen,
                           dtype=torch.float64) for t in serial_states]
+    unheld = [0] + list(range(N * S + 1, fields[0].shape[0]))  # slot 0 (free) and the CP scratch slots
+    for f in fields:
+        f[unheld] = free_fill(f[unheld])
     probe = serial_states
     pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
     calls = spec_schedule(plans, bounds, x, num_draft, gen, bonus_token=path.bonus_token,

@@ -1,7 +1,8 @@
 """What a rank of the speculative-decoding check runs: build the client's layer, load its weights,
-shard the pool, then every call in order (prefill chunks; verify calls, each followed by the
-client's accept with the number of accepted drafts per sequence). After each call the rank keeps
-the call's outputs and its scheduled slots, and compares every other slot with its value before
+shard the pool (each field in its dtype: the path's `state_dtypes`, else the case's), then every
+call in order (prefill chunks; verify calls, each followed by the client's accept with the number
+of accepted drafts per sequence). After each call the rank keeps the call's outputs and a copy of
+its scheduled slots, and compares every other slot with its value before
 the call (bitwise); a path with `read_state` says where each sequence's state is (its row of
 slots). Under CP a prefill call runs this CP rank's piece of its tokens
 (`state_pool_rank.prefill_on_rank`, a filler in its scratch slot where they do not divide by cp),
@@ -79,7 +80,8 @@ def run_spec_on_rank(case: RankSpec) -> dict:
             y_call[:, positions] = y.detach().cpu().to(case.dtype)
             held[positions] = True
             rows = [t[slots] for t in pool] if path.read_state is None else path.read_state(module, pool, slots, p)
-            states = rebuild_state(case.pool, [t.detach().cpu() for t in rows])
+            # copies: read_state may return views of the pool (and .cpu() on a CPU copies nothing)
+            states = rebuild_state(case.pool, [t.detach().to("cpu", copy=True) for t in rows])
             out.append(dict(y=y_call, held=held, decoded=held if call.kind == "verify" else torch.zeros_like(held),
                             states=states))
             scheduled = set(slots.flatten().tolist())

@@ -5,16 +5,30 @@ Sequences arrive in order and take the lowest free slot (at most `max_live` at o
 runs one prefill call (the next chunk of every live sequence that still has chunks; a sequence's
 first chunk is marked fresh: the client starts it from zero, whatever its slot holds) and one
 decode call (the next token of every live sequence in its decode phase). A decode call is padded
-to the next captured batch size with padding rows, as a CUDA-graph replay pads it: the padding
-rows point in turn at a sentinel (-1), at slot 0, and at a free slot, and carry random inputs.
-A finished sequence frees its slot, which the next waiting sequence takes. The pool starts
-filled with random values, never zeros: a slot read without a reset, or written by a call that
-did not schedule it, shows.
+to the next captured batch size with padding rows, as a CUDA-graph replay pads it, with random
+inputs; the padding rows point where the path's `padding_slot` says (default: in turn at a
+sentinel (-1), at slot 0, and at a free slot). A path's `reserved_slots` (vLLM's null block 0)
+are never given to a sequence. A finished sequence frees its slot, which the next waiting
+sequence takes. The pool starts filled with random values, never zeros, the slots no sequence
+holds (the spare slot, reserved slots, the CP scratch slot) with large ones (`free_fill`): a
+slot read without a reset, or written by a call that did not schedule it, shows.
 
-After every call, each live slot the call did not schedule must be bitwise unchanged (on every
-rank); every token's output and every sequence's final state (its slot when it finishes) must
-match one float64 full forward of the replicated layer from zero states, within rtol. A failure
-names the call, the slot, the sequence and the token. No gradients (serving).
+Every placement runs the schedule on two pools: one with a spare slot (`max_live` + 1 slots for
+the sequences: the lowest-free-first rule never gives the last one out) and a full one (as many
+slots as sequences live at once: while sequences wait every slot is live, the last one too, so a
+write through -1, which indexes the last slot, lands in a live sequence's). A path whose padding
+rows point at a free slot (`padding_slot="free"`) runs the spare pool only.
+
+After every call, every slot the call did not schedule, live or free, must be bitwise unchanged
+(on every rank; the reserved slots, the engine's scratch, excepted); every token's output and
+every sequence's final state (its slot when it finishes) must match one float64 full forward of
+the replicated layer from zero states, within rtol. A failure names the call, the slot (live or
+free), the sequence and the token; the output's headline is the earliest call that goes wrong
+(the lowest wrong position after it where that is another token). No gradients (serving).
+
+The pool's fields are in the ranks' dtype, or per field in the path's `state_dtypes` (vLLM's
+`mamba_ssm_cache_dtype=float32`: a float32 recurrent pool under a bf16 layer); what the check
+keeps between calls (the pool, the final states, the snapshots) keeps those dtypes.
 
 Under CP (contiguous layout, no sequence parallel) the pool is replicated over the CP ranks (TP-
 sharded as at TP) and a call runs as a serving engine runs it: a prefill call's tokens are split
@@ -53,8 +67,9 @@ from .cases import ShardedLayer
 from .continuation_plans import SequencePlan
 from .continuation_report import cp_view, field_names
 from .placement import Placement, as_cu_seqlens
-from .serving_plans import (CAPTURE_SIZES, check_pool_placements, check_prefix_hits, describe_call, describe_fillers,
-                            pool_schedule, snapshots_of, with_cp_fillers)
+from .serving_plans import (CAPTURE_SIZES, check_pool_placements, check_prefix_hits, check_state_dtype_names,
+                            check_state_dtypes, describe_call, describe_fillers, free_fill, pool_schedule,
+                            sequence_slots, snapshots_of, with_cp_fillers)
 from .state_pool_rank import RankPool, rebuild_state, run_pool_on_rank
 
 __all__ = ["StatePoolPath", "assert_state_pool_parity"]
@@ -80,10 +95,17 @@ class StatePoolPath:
         writes every sequence's state (linattn's layer returns the final states whole on every CP rank).
     decode(module, x, pool, slots, num_valid, placement) -> y
         One token of each row, x `[1, B, hidden]`, slots `[B]`: the first `num_valid` rows are
-        sequences, the rest padding (slots: -1, 0 or a free slot). Returns y `[1, B, hidden]`
-        (padding rows' outputs are ignored); writes the valid rows' slots, and no other. Under CP
-        the whole decode batch on every CP rank.
+        sequences, the rest padding (slots: `padding_slot`'s). Returns y `[1, B, hidden]`
+        (padding rows' outputs are ignored); writes the valid rows' slots, and no other (a
+        reserved slot excepted). Under CP the whole decode batch on every CP rank.
     shard_state(state, placement, tp_rank), unshard_state(states, placement): as StatePath's.
+    state_dtypes: {field name: torch.dtype}, the pool's dtype of those fields (e.g. {"recurrent":
+        torch.float32} under bf16 ranks); the others in the ranks' dtype. Default None: all.
+    padding_slot: where a decode's padding rows point, the engine's convention: -1 (sglang's
+        PAD_SLOT_ID), 0 or another reserved slot (vLLM's null block 0), "free" (the lowest free
+        slot). Default None: -1, slot 0 and a free slot in turn.
+    reserved_slots: slots never given to a sequence, the engine's scratch (vLLM: (0,)): a call may
+        change them; every other slot it does not schedule must stay bitwise unchanged. Default ().
     """
 
     layer: ShardedLayer
@@ -91,6 +113,9 @@ class StatePoolPath:
     decode: Callable
     shard_state: Callable | None = None
     unshard_state: Callable | None = None
+    state_dtypes: dict | None = dataclasses.field(default=None, hash=False)  # a dict: left out of the hash
+    padding_slot: int | str | None = None
+    reserved_slots: tuple = ()
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
@@ -100,6 +125,18 @@ class StatePoolPath:
                 raise ValueError(f"StatePoolPath.{field} must be callable, got {getattr(self, field)!r}")
         if (self.shard_state is None) != (self.unshard_state is None):
             raise ValueError("StatePoolPath.shard_state and unshard_state are given together (or neither: tp = 1 only)")
+        object.__setattr__(self, "state_dtypes", check_state_dtypes(self.state_dtypes, "StatePoolPath"))
+        reserved = self.reserved_slots
+        if not (isinstance(reserved, (tuple, list)) and all(isinstance(s, int) and not isinstance(s, bool) and s >= 0
+                                                            for s in reserved) and len(set(reserved)) == len(reserved)):
+            raise ValueError(f"StatePoolPath.reserved_slots must be distinct slot indices >= 0 (slots never given to a "
+                             f"sequence, the engine's scratch; vLLM's null block: (0,)), got {reserved!r}")
+        object.__setattr__(self, "reserved_slots", tuple(reserved))
+        pad = self.padding_slot
+        if not (pad is None or pad == "free" or (isinstance(pad, int) and not isinstance(pad, bool)
+                                                  and (pad in (-1, 0) or pad in self.reserved_slots))):
+            raise ValueError(f"StatePoolPath.padding_slot must be -1 (a sentinel), 0, a reserved slot or 'free' "
+                             f"(a free slot); None: -1, slot 0 and a free slot in turn; got {pad!r}")
         try:
             pickle.dumps(self)
         except Exception as exc:  # noqa: BLE001 - reported as bad input
@@ -144,6 +181,13 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
         positive_int(c, "capture_sizes[...]")
     placements = check_pool_placements(placements, path, "the pool mode")
 
+    reserved = path.reserved_slots
+    full_count = min(max_live, N)  # the full pool: as many slots as sequences live at once
+    if any(r >= full_count + len(reserved) for r in reserved):
+        raise ValueError(f"StatePoolPath.reserved_slots {list(reserved)}: a reserved slot must lie among the pool's "
+                         f"first {full_count + len(reserved)} slots (the reserved ones and the {full_count} of the "
+                         f"sequences live at once)")
+
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
     for n, (m, tokens) in hits.items():  # a prefix hit's first tokens are the other sequence's
@@ -153,46 +197,116 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     with torch.no_grad():
         y_ref, probe = forward(reference, x.to(ref_dtype), cu, None)
     y_ref, ht_ref = y_ref.double(), [t.double() for t in probe]
-    P = max_live + 1  # a slot always free: the padding rows' third target
-    fields = [torch.randn((P,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64) for t in ht_ref]
-    pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
-    calls = pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes, block_size, hits)
-    snapshots = {s: (i, seq, t) for i, c in enumerate(calls) for seq, s, t in snapshots_of(c, bounds)}
-    if snapshots:  # the prefix blocks: slots after the live ones, random until written
-        fields = [torch.cat([f, torch.randn((len(snapshots),) + tuple(f.shape[1:]), generator=gen,
-                                            dtype=torch.float64)]) for f in fields]
-        pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
-        with torch.no_grad():
-            expected = {s: [t.double()[0] for t in forward(reference, x[:, bounds[seq]:bounds[seq] + t].to(ref_dtype),
-                                                            torch.tensor([0, t], dtype=torch.int32), None)[1]]
-                        for s, (i, seq, t) in snapshots.items()}
-    scratch = None
-    if any(p.cp > 1 for p in placements):  # a scratch slot after the others: the CP fillers'
-        scratch = pool[0].shape[0]
-        pool = rebuild_state(probe, [torch.cat([f, torch.randn((1,) + tuple(f.shape[1:]), generator=gen,
-                                                               dtype=torch.float64)]) for f in pool])
+    check_state_dtype_names(path, field_names(probe))
+    boundary_states = {}  # (sequence, token) -> the float64 state there: a snapshot's expected value
+
+    def state_at(seq, t):
+        if (seq, t) not in boundary_states:
+            with torch.no_grad():
+                boundary_states[seq, t] = [f.double()[0] for f in forward(
+                    reference, x[:, bounds[seq]:bounds[seq] + t].to(ref_dtype), torch.tensor([0, t], dtype=torch.int32),
+                    None)[1]]
+        return boundary_states[seq, t]
+
+    use_cp = any(p.cp > 1 for p in placements)
+    kinds = [("spare", max_live + 1, gen)]  # a slot always free: the padding rows' free target
+    if path.padding_slot != "free":
+        kinds.append(("full", full_count, torch.Generator().manual_seed(seed + 1)))
+    pools = [_pool_run(kind, count, g, probe, ht_ref, path, plans, bounds, max_live, hidden_size, capture_sizes,
+                       block_size, hits, use_cp, state_at) for kind, count, g in kinds]
     label = f"{name}/" if name else ""
     reports = []
     for p in placements:
-        placed = with_cp_fillers(calls, p.cp, hidden_size, gen, scratch) if p.cp > 1 else calls
-        case = RankPool(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, pool, placed,
-                        dtype, field_names(probe))
-        results = spawn(run_pool_on_rank, p.size, case)
-        prefix = _check_snapshots(p, path, plans, calls, results, snapshots, expected, rtol) if snapshots else []
-        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, bounds, placed, results, y_ref, ht_ref, rtol,
-                        prefix)
-        if report:
-            reports.append(report)
+        for run in pools:
+            placed = with_cp_fillers(run.calls, p.cp, hidden_size, run.gen, run.scratch) if p.cp > 1 else run.calls
+            case = RankPool(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, run.pool, placed,
+                            dtype, field_names(probe))
+            results = spawn(run_pool_on_rank, p.size, case)
+            prefix = (_check_snapshots(p, path, plans, run.calls, results, run.snapshots, run.expected, rtol)
+                      if run.snapshots else [])
+            report = _check(f"{label}{p.name}/seed{seed}" + ("/full-pool" if run.kind == "full" else ""), p, path,
+                            plans, bounds, placed, results, y_ref, ht_ref, rtol, prefix, run)
+            if report:
+                reports.append(report)
     if reports:
         raise AssertionError("\n\n".join(reports))
 
 
-def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol, prefix=()) -> str:
+@dataclasses.dataclass(frozen=True)
+class _PoolRun:
+    """One pool the schedule runs on: kind "spare" (a slot always free) or "full"; its initial
+    fields (replicated layout, float64), calls, snapshots (slot -> (call, sequence, token)) and
+    their expected states, the CP scratch slot (None without CP), the generator of its CP
+    fillers, the sequences' slots and the reserved ones."""
+
+    kind: str
+    pool: tuple
+    calls: list
+    snapshots: dict
+    expected: dict
+    scratch: int | None
+    gen: torch.Generator
+    sequence_slots: tuple
+    reserved: tuple
+    max_live: int
+
+    def describe(self) -> str:
+        size = self.pool[0].shape[0]
+        words = [f"{len(self.sequence_slots)} for the sequences ({self.max_live} live at most"
+                 + (": a slot always spare)" if self.kind == "spare" else ": full while sequences wait)")]
+        if self.reserved:
+            words.append(f"reserved {list(self.reserved)}")
+        if self.snapshots:
+            words.append(f"prefix snapshots {min(self.snapshots)}..{max(self.snapshots)}")
+        if self.scratch is not None:
+            words.append(f"CP scratch {self.scratch}")
+        return f"  a pool of {size} slots: {', '.join(words)}\n"
+
+
+def _pool_run(kind, count, gen, probe, ht_ref, path, plans, bounds, max_live, hidden_size, capture_sizes, block_size,
+              hits, use_cp, state_at) -> _PoolRun:
+    """The pool `kind` with `count` slots for the sequences (and the path's reserved slots), its
+    schedule and snapshots; random fields, the slots no sequence holds at `free_fill`'s."""
+    reserved = path.reserved_slots
+    seq_slots = sequence_slots(count, reserved)
+    P = count + len(reserved)
+    fields = [torch.randn((P,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64) for t in ht_ref]
+    calls = pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes, block_size, hits,
+                          padding_slot=path.padding_slot, reserved_slots=reserved)
+    snapshots = {s: (i, seq, t) for i, c in enumerate(calls) for seq, s, t in snapshots_of(c, bounds)}
+    expected = {}
+    if snapshots:  # the prefix blocks: slots after the live ones, random until written
+        fields = [torch.cat([f, torch.randn((len(snapshots),) + tuple(f.shape[1:]), generator=gen,
+                                            dtype=torch.float64)]) for f in fields]
+        expected = {s: state_at(seq, t) for s, (i, seq, t) in snapshots.items()}
+    scratch = None
+    if use_cp:  # a scratch slot after the others: the CP fillers'
+        scratch = fields[0].shape[0]
+        fields = [torch.cat([f, torch.randn((1,) + tuple(f.shape[1:]), generator=gen, dtype=torch.float64)])
+                  for f in fields]
+    held = {s for c in calls for s in c.live.values()}
+    unheld = [s for s in range(fields[0].shape[0]) if s not in held and s not in snapshots]
+    for f in fields:
+        f[unheld] = free_fill(f[unheld])
+    return _PoolRun(kind, rebuild_state(probe, fields), calls, snapshots, expected, scratch, gen, tuple(seq_slots),
+                    tuple(reserved), max_live)
+
+
+def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol, prefix=(), run=None) -> str:
     failures = list(prefix)
     for r, result in enumerate(results):
         for i, slot, seq, field, diff in result["changed"]:
-            failures.append(f"{describe_call(i, calls[i])} changed live slot {slot} (sequence {seq}, {plans[seq]}), "
-                            f"which it did not schedule: field {field}, max |change| {diff:.2e} (rank {r})")
+            change = f"field {field}, max |change| {diff:.2e} (rank {r})"
+            if seq is not None:
+                failures.append(f"{describe_call(i, calls[i])} changed live slot {slot} (sequence {seq}, "
+                                f"{plans[seq]}), which it did not schedule: {change}")
+            elif run is not None and slot in run.snapshots and run.snapshots[slot][0] < i:
+                _, block_seq, t = run.snapshots[slot]
+                failures.append(f"{describe_call(i, calls[i])} changed prefix block slot {slot} (the snapshot of "
+                                f"sequence {block_seq} at token {t}), which it did not schedule: {change}")
+            else:
+                failures.append(f"{describe_call(i, calls[i])} changed free slot {slot} "
+                                f"({_free_words(slot, i, calls, run)}), which it did not schedule: {change}")
     where, holders, before = {}, {}, {}  # token -> (call, slot, sequence); slot -> last sequence; sequence -> previous
     for i, call in enumerate(calls):
         for t in call.tokens.tolist():
@@ -223,10 +337,17 @@ def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol, p
         firsts = {}  # each wrong sequence's first wrong token
         for t in bad:
             firsts.setdefault(where[t][2], t)
-        t = min(firsts.values(), key=lambda g: (g - bounds[where[g][2]], where[g][2]))
-        failures.append(f"output{_rank_words(p, t_rank, c)}: {len(bad)} token(s) off; first wrong "
-                        f"token: {located(t)}, error {float(per_token[t]):.1e} of the tokens' RMS norm; each wrong "
-                        "sequence's first wrong token:\n" + "\n".join(f"    {located(g)}" for g in firsts.values()))
+        # the headline: the earliest call that goes wrong (its first wrong token); then the lowest
+        # wrong position (the earliest token of its sequence), where that is another token
+        earliest = min(bad, key=lambda g: (where[g][0], g))
+        lowest = min(firsts.values(), key=lambda g: (g - bounds[where[g][2]], where[g][2]))
+        text = (f"output{_rank_words(p, t_rank, c)}: {len(bad)} token(s) off; first wrong token: {located(earliest)}, "
+                f"error {float(per_token[earliest]):.1e} of the tokens' RMS norm")
+        if lowest != earliest:
+            text += (f"\n  lowest wrong position: {located(lowest)}, error {float(per_token[lowest]):.1e} of the "
+                     "tokens' RMS norm")
+        failures.append(text + "\n  each wrong sequence's first wrong token:\n"
+                        + "\n".join(f"    {located(g)}" for g in firsts.values()))
     names = field_names(results[0]["final"])
 
     def describe(tensor_name, index):
@@ -243,8 +364,21 @@ def _check(label, p, path, plans, bounds, calls, results, y_ref, ht_ref, rtol, p
     if not failures:
         return ""
     return (f"state-pool parity failed for {label}: {len(failures)} failing check(s)\n"
+            + (run.describe() if run is not None else "")
             + "".join(f"  {describe_call(i, c)}\n" for i, c in enumerate(calls)) + describe_fillers(calls) + "\n"
             + "\n".join(failures))
+
+
+def _free_words(slot, i, calls, run) -> str:
+    """What a free slot is at call i: the CP scratch slot, a snapshot slot not yet written, free
+    since a sequence finished, or never held."""
+    if run is not None and slot == run.scratch:
+        return "the CP filler's scratch slot"
+    if run is not None and slot in run.snapshots:
+        _, seq, t = run.snapshots[slot]
+        return f"the snapshot slot of sequence {seq} at token {t}, not yet written"
+    previous = [seq for c in calls[:i] for seq, s in c.live.items() if s == slot]
+    return f"free since sequence {previous[-1]} finished" if previous else "never held by a sequence"
 
 
 def _rank_words(p, t_rank, c) -> str:

@@ -1,10 +1,11 @@
 """What a rank of the state-pool check runs: build the client's layer, load its weights, shard
-the pool, then every call in order, each followed by a comparison of the live slots the call did
-not schedule with their values before it (bitwise); a finishing sequence's slot is copied out as
-its final state. Under CP a prefill call runs this CP rank's piece of its tokens (a filler
-appended where they do not divide by cp: `prefill_on_rank`), a decode call runs whole, and the
-pool is whole (TP-sharded) on every CP rank. The test process (`pytest_linattn.harness.state_pool`)
-judges. No pytest."""
+the pool (each field in its dtype: the path's `state_dtypes`, else the case's), then every call
+in order, each followed by a comparison of every slot the call did not schedule with its value
+before it (bitwise: live and free slots alike; the path's reserved slots, an engine's scratch,
+excepted); a finishing sequence's slot is copied out as its final state. Under CP a prefill call
+runs this CP rank's piece of its tokens (a filler appended where they do not divide by cp:
+`prefill_on_rank`), a decode call runs whole, and the pool is whole (TP-sharded) on every CP rank.
+The test process (`pytest_linattn.harness.state_pool`) judges. No pytest."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from .continuation_rank import cp_share, rank_coordinates
 from .placement import Placement
 from .sharded_parity_rank import load_shard, run_device
 
-__all__ = ["PoolCall", "RankPool", "prefill_on_rank", "run_pool_on_rank"]
+__all__ = ["PoolCall", "RankPool", "pool_dtypes", "prefill_on_rank", "run_pool_on_rank"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +90,10 @@ def prefill_on_rank(prefill, module, placement, x, cu_seqlens, pool, slots, fres
 def run_pool_on_rank(case: RankPool) -> dict:
     """Rank function (for spawn): the outputs of the tokens this rank ran and which ('held'; under
     CP a prefill token on one CP rank, 'decoded' ones on every rank), the final state of every
-    sequence `[N, ...]` per field (this rank's shard), the unscheduled live slots a call changed:
-    (call index, slot, sequence, field, max |change|), the snapshots as written (slot -> fields),
-    and the prefix blocks a later call changed: (call index, slot, field, max |change|)."""
+    sequence `[N, ...]` per field (this rank's shard, in the pool's dtypes), the unscheduled slots
+    a call changed: (call index, slot, sequence or None for a free slot, field, max |change|),
+    the snapshots as written (slot -> fields, copies), and the prefix blocks a later call
+    changed: (call index, slot, field, max |change|)."""
     p, device = case.placement, run_device()
     path, (module, pool) = case.path, rank_layer_and_pool(case, device)
     x = case.x.to(device, case.dtype)
@@ -101,6 +103,7 @@ def run_pool_on_rank(case: RankPool) -> dict:
     num_sequences = 1 + max(n for call in case.calls for n in call.sequences)
     final = [torch.zeros((num_sequences,) + tuple(t.shape[1:]), dtype=t.dtype) for t in pool]
     changed, snapshots, changed_blocks = [], {}, []
+    reserved = set(getattr(path, "reserved_slots", ()))  # the engine's scratch: may change in any call
     with torch.no_grad():
         for i, call in enumerate(case.calls):
             before = [t.clone() for t in pool]
@@ -118,22 +121,25 @@ def run_pool_on_rank(case: RankPool) -> dict:
                 decoded[tokens] = True
             y_out[:, tokens] = y.detach().cpu().to(case.dtype)
             held[tokens] = True
-            scheduled = set(call.slots[:call.num_valid])
-            for seq, slot in call.live.items():
+            written = {s for s in call.snapshot_slots or () if s >= 0}
+            scheduled = set(call.slots[:call.num_valid]) | written | set(call.blocks or ()) | reserved
+            if call.filler is not None:  # the CP filler's scratch slot: the call's
+                scheduled.add(call.filler[1])
+            holder = {slot: seq for seq, slot in call.live.items()}
+            for slot in range(pool[0].shape[0]):  # live and free alike: a write through -1 lands in the last
                 if slot in scheduled:
                     continue
                 for name, old, new in zip(case.names, before, pool):
                     if not torch.equal(old[slot], new[slot]):
                         diff = float((old[slot] - new[slot]).abs().nan_to_num(float("inf")).max())
-                        changed.append((i, slot, seq, name, diff))
-            written = {s for s in call.snapshot_slots or () if s >= 0}
+                        changed.append((i, slot, holder.get(slot), name, diff))
             for slot in sorted(call.blocks or {}):  # a prefix block: written once, then only read
                 for name, old, new in zip(case.names, before, pool):
                     if slot not in written and not torch.equal(old[slot], new[slot]):
                         diff = float((old[slot] - new[slot]).abs().nan_to_num(float("inf")).max())
                         changed_blocks.append((i, slot, name, diff))
-            for slot in written:
-                snapshots[slot] = [t[slot].detach().cpu() for t in pool]
+            for slot in written:  # copies: t[slot] is a view of the pool, and .cpu() on a CPU no copy
+                snapshots[slot] = [t[slot].detach().to("cpu", copy=True) for t in pool]
             for seq, slot in zip(call.sequences, call.slots):
                 for f, t in zip(final, pool):  # the latest state; the last call of the sequence leaves its final one
                     f[seq] = t[slot].detach().cpu()
@@ -143,15 +149,23 @@ def run_pool_on_rank(case: RankPool) -> dict:
 
 def rank_layer_and_pool(case, device):
     """This rank's layer (built, its shard loaded) and its shard of the case's pool (whole on every
-    CP rank), in the case's dtype on `device` (a state-pool or speculative-decoding case:
-    placement, path, weights, pool)."""
+    CP rank) on `device`, each field in its dtype: the path's `state_dtypes` where it names the
+    field, else the case's dtype (a state-pool or speculative-decoding case: placement, path,
+    weights, pool, dtype, names)."""
     p, path = case.placement, case.path
     tp_rank, _ = rank_coordinates(p)
     module = path.layer.build(p, path.layer.process_groups(p), case.dtype, device)
     if path.layer.shard is not None:
         load_shard(module, path.layer.shard(case.weights, p, tp_rank))
     pool = case.pool if p.tp == 1 else path.shard_state(case.pool, p, tp_rank)
-    return module, rebuild_state(case.pool, [t.to(device, case.dtype).clone() for t in pool])
+    dtypes = pool_dtypes(path, case.names, case.dtype)
+    return module, rebuild_state(case.pool, [t.to(device, d).clone() for t, d in zip(pool, dtypes)])
+
+
+def pool_dtypes(path, names, dtype) -> list:
+    """Each state field's pool dtype: the path's `state_dtypes[name]`, else `dtype` (the ranks')."""
+    declared = getattr(path, "state_dtypes", None) or {}
+    return [declared.get(name, dtype) for name in names]
 
 
 def rebuild_state(like, fields):

@@ -8,8 +8,12 @@ The correct client passes; two planted bugs each fail with the call, the slot, t
 the token named: an accept that keeps one rejected draft's update (sglang #27658's and #40419's
 class: a verify that leaves the state advanced or scrambled), and a verify that starts from a
 zeroed state instead of the slot's (sglang #27658: verify replayed from zero-initialised buffers).
+A path's `state_dtypes` gives the pool's dtype per field: a float32 recurrent pool under bf16
+ranks reaches the client's verify and accept in float32.
 """
 
+
+import dataclasses
 
 import pytest
 import torch
@@ -19,7 +23,8 @@ from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, SpecPlan, assert_spec_decode_parity
 from pytest_linattn.harness.spec_decode import spec_schedule
 from pytest_linattn.parity import capture_records
-from clients.spec_decode import linattn_spec_path, verify_states
+from clients.spec_decode import linattn_spec_path, pool_accept, pool_verify, verify_states
+from clients.state_pool import pool_prefill
 
 CONFIG = make_config("qwen3_5", 1)
 K = 3
@@ -88,6 +93,37 @@ def test_spec_decode_client_and_plants(spawn, placement):
     # j = 0 accepts nothing: its outputs are all drafts, the first one located as such
     assert "slot 2, sequence 2 (chunks 2, then verify rounds accepting [0, 2, 1]), draft 1 of 3 (rejected; after " \
            "token 1)" in report, report
+
+
+def _dtypes_as_declared(pool):
+    if (pool.conv.dtype, pool.recurrent.dtype) != (torch.bfloat16, torch.float32):
+        raise AssertionError(f"the pool's fields came as conv {pool.conv.dtype}, recurrent {pool.recurrent.dtype}; "
+                             "declared: conv in the ranks' bf16, recurrent float32")
+
+
+def prefill_checking_dtypes(module, x, cu_seqlens, pool, slots, fresh, placement):
+    _dtypes_as_declared(pool)
+    return pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement)
+
+
+def verify_checking_dtypes(module, x, cu_seqlens, pool, slots, placement):
+    _dtypes_as_declared(pool)
+    return pool_verify(module, x, cu_seqlens, pool, slots, placement)
+
+
+def accept_checking_dtypes(module, pool, slots, num_accepted_tokens, placement):
+    pool_accept(module, pool, slots, num_accepted_tokens, placement)
+    _dtypes_as_declared(pool)
+
+
+def test_float32_recurrent_pool_under_bf16_ranks(spawn):
+    path = dataclasses.replace(linattn_spec_path(CONFIG, prefill=prefill_checking_dtypes, verify=verify_checking_dtypes,
+                                                 accept=accept_checking_dtypes),
+                               state_dtypes={"recurrent": torch.float32})
+    with capture_records():
+        assert_spec_decode_parity(spawn, path, reference(), [Placement(tp=2)], PLANS, num_draft=K,
+                                  hidden_size=CONFIG.hidden_size, seed=22, rtol=5e-2, dtype=torch.bfloat16,
+                                  name="qwen3_5")
 
 
 def test_bad_input_names_the_parameter_and_the_rule():

@@ -90,14 +90,22 @@ def test_prefix_snapshots_and_plants(spawn, placement):
     report = str(never.value)
     assert ("snapshots to slots [4, 5]): the snapshot of sequence 0 (chunks 4+4+3, then 3 decode steps) at token 4 "
             "in slot 4 is not the state there: field conv error") in report, report
-    assert "first wrong token: sequence 3 (chunks 4+1, then 2 decode steps) token 4, call" in report, report
+    # the headline: the earliest call that goes wrong (sequence 2's hit, on the snapshot at token 8);
+    # then the lowest wrong position, a later call's (sequence 3's hit at token 4)
+    assert ("first wrong token: sequence 2 (chunks 2, then 2 decode steps) token 8, call 2 (prefill of sequences "
+            "[0, 2] in slots [0, 2], from prefix slots [-1, 6])") in report, report
+    assert "lowest wrong position: sequence 3 (chunks 4+1, then 2 decode steps) token 4, call" in report, report
     with pytest.raises(AssertionError) as short:
         check(spawn, placement, prefill_writing_a_short_chunk_into_its_prefix_block)
     report = str(short.value)
     assert ("call 2 (prefill of sequences [0, 2] in slots [0, 2], from prefix slots [-1, 6]) changed prefix block "
             "slot 6 (the snapshot of sequence 0 at token 8), which it read from: field conv, max |change|") in report, \
         report
-    assert "changed prefix block slot 4" not in report, report  # sequence 3's 4-token chunk leaves its block alone
+    # sequence 3's 4-token chunk leaves its block alone (slot 4 with a spare slot, 3 in the full pool)
+    assert "(the snapshot of sequence 0 at token 4), which it read from" not in report, report
+    # the snapshot was right when call 1 wrote it: the check keeps a copy, not a view of the pool
+    # that call 2 then changes (which would blame call 1)
+    assert "at token 8 in slot 6 is not the state there" not in report, report
 
 
 def test_bad_prefix_input_names_the_parameter_and_the_rule():
