@@ -373,16 +373,16 @@ def test_a_run_of_a_whole_suite_takes_its_xdist_workers(pytester, monkeypatch):
     pytester.makepyfile(**{"suites/cpu/test_where": "import os\n\ndef test_where():\n"
                            "    print('worker', os.environ.get('PYTEST_XDIST_WORKER'))\n"})
 
-    def header(*args):
-        out = runpytest_forked(pytester, "--co", *args).stdout.str()
-        return next(line for line in out.splitlines() if line.startswith("home suites:"))
+    def header(result):
+        return next(line for line in result.stdout.lines if line.startswith("home suites:"))
 
-    assert header("suites/cpu").endswith("-n 2, --dist load, workers forked from one server")
-    for args in (["suites/cpu/test_where.py"], ["suites/cpu", "-n", "0"], ["suites/cpu", "-p", "no:xdist"]):
-        assert "-n" not in header(*args), args
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert "-n" not in header("suites/cpu")
-    monkeypatch.delenv("WORLD_SIZE")
-    result = runpytest_forked(pytester, "suites/cpu", "-s")
+    # the whole suite: its workers, forked from one server (the inner run's stages are forks of
+    # this process's fla stage: the worker server imports only what that one lacks)
+    result = runpytest_forked(pytester, "suites/cpu", "-s", fla=True, rank_servers=True)
+    assert header(result).endswith("-n 2, --dist load, workers forked from one server")
     result.assert_outcomes(passed=1)
     result.stdout.fnmatch_lines(["*2 workers*"])
+    for args in (["suites/cpu/test_where.py"], ["suites/cpu", "-n", "0"], ["suites/cpu", "-p", "no:xdist"]):
+        assert "-n" not in header(runpytest_forked(pytester, "--co", *args)), args
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert "-n" not in header(runpytest_forked(pytester, "--co", "suites/cpu"))
