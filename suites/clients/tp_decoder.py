@@ -29,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from cases.layer_parity import random_state_dict
+from clients.isolation import RMSNorm
 from linattn.layers import build_layer, parameter_layouts, shard_state_dict, unshard_state_dict
 from linattn.parallel.groups import group_size
 from linattn.parallel.mappings import copy_to_tensor_parallel_region, reduce_from_tensor_parallel_region
@@ -37,16 +38,6 @@ from pytest_linattn.harness import ShardedLayer
 __all__ = ["DecoderLayer", "TPDecoderStack", "reference_forward", "stack_reference", "tp_decoder_stack"]
 
 FFN_RATIO = 2  # the MLP's inner size, in hidden sizes (split over TP)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, hidden: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden, dtype=torch.float64))
-        self.eps = eps
-
-    def forward(self, x):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
 
 
 class DecoderLayer(nn.Module):
