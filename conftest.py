@@ -1,5 +1,6 @@
-# Repository-level pytest setup. Benchmarks (suites/bench, scripts run with python) and the
-# downstream example (its own project) stay out of a plain `pytest`/`pytest suites` run;
+# Repository-level pytest setup. Benchmarks (suites/bench, scripts run with python), the live bugs'
+# standalone repros (suites/live_bugs, scripts run with python) and the downstream example (its own
+# project) stay out of a plain `pytest`/`pytest suites` run;
 # naming them explicitly on the command line still collects them.
 #
 # The docs' examples: `pytest README.md docs` runs every ```python block of README.md and
@@ -13,7 +14,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-collect_ignore = ["suites/bench", "examples"]
+collect_ignore = ["suites/bench", "examples", "suites/live_bugs"]
 
 ROOT = Path(__file__).resolve().parent
 _DOC_TESTS = None

@@ -14,7 +14,7 @@ cannot reach (they hand fla B = 1 and contiguous gradients): its catch is a kern
 in suite "fla-interpret"), with the same check on a GPU in `gpu_test`; the tests locate it
 themselves, and docs/bugs.md shows their outcome. A bug the pinned release still has is live: no
 plant (the release is the subject), its kernel test a strict xfail naming the report, `repro` a
-standalone script under docs/.
+standalone script under suites/live_bugs/ (a row of the live-bug page, docs/live-bugs.md).
 
 `fidelity` says how close the plant is to the upstream report (the audit's reading of each
 entry against its thread, /work/shared/notes/bug-record-audit.md); `fidelity_note` says how, for
@@ -94,7 +94,7 @@ class Bug:
     suite: str = "cpu"  # where the catch runs: "cpu" (suites/cpu/record), or a kernel row's suite
     kernel_test: str = ""  # a kernel row's catch: "suites/<suite>/<file>.py::<function>"
     gpu_test: str = ""  # a kernel row's check on fla's compiled kernels: "suites/gpu-1/<file>.py::<function>"
-    repro: str = ""  # a live bug (the pinned release has it): its standalone repro, a path under docs/
+    repro: str = ""  # a live bug (the pinned release has it): its standalone repro, a path under suites/live_bugs/
     fidelity: str = ""  # one of FIDELITIES
     fidelity_note: str = ""  # how (required unless faithful): where it lived and is planted, which part, ...
 
@@ -454,7 +454,7 @@ BUGS = (
         "No", "kernel", None, "kernel", suite="fla-interpret",
         kernel_test="suites/fla-interpret/test_conv_backward_record.py::test_varlen_batch_of_two_rows_dweight",
         gpu_test="suites/gpu-1/test_bug_record_gpu1.py::test_varlen_batch_of_two_rows_dweight",
-        repro="docs/live-bugs/fla_955_causal_conv1d_varlen_batch.py",
+        repro="suites/live_bugs/fla_955_causal_conv1d_varlen_batch.py",
         fidelity="faithful", fidelity_note=("fla's own kernel, the pinned release (under Triton's interpreter, and "
             "on a GPU): no plant, a live bug")),
     Bug("fla-871-1138", "21", (gh("fla-org/flash-linear-attention", 871), gh("fla-org/flash-linear-attention", 1138)),

@@ -202,7 +202,8 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
         "reference, under Triton's interpreter on a CPU (suite `fla-interpret`, run when this page is",
         "generated) and compiled on a GPU (suite `gpu-1`, from its last kept run). A bug the pinned fla",
         "still has is *live*: no plant, fla itself is the subject; its test is a strict xfail naming the",
-        "report, and a standalone repro is linked. A fixed one keeps its check, with the old behaviour",
+        "report, and its standalone repro is named (a row of [the live-bug page](live-bugs.md)). A fixed one",
+        "keeps its check, with the old behaviour",
         "planted in the test.",
         "",
         "A plant that changes the replicated layer as much as the sharded one is invisible to",
@@ -238,8 +239,8 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
                   "gpu-1": " (fla's compiled kernels on a GPU)"}.get(b.suite, "")
             check += f": `{b.kernel_test}`{on}"
             if b.repro:
-                where = (f"strict xfail naming the report, the report's row: {where}; repro: "
-                         f"[{Path(b.repro).name}]({Path(b.repro).relative_to('docs').as_posix()})")
+                where = (f"strict xfail naming the report, the report's row: {where}; repro: `{b.repro}` "
+                         f"([live bugs](live-bugs.md))")
             elif row["outcome"] == "caught":
                 where += " (the plant applied in the test; the unplanted kernel passes)"
             where += f"; {_cell(_gpu_cell(b, gpu_rows, gpu_run))}"

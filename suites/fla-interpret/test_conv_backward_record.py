@@ -8,7 +8,7 @@ fla 0.6.0's ``fla/modules/causal_conv1d/ops.py`` it lives):
   PyTorch's fill of uninitialized memory; without it, whatever the allocator held (1.8e19 and
   6.7e14 relative error in two calls of one process here, 1.3e-7 in another, on fresh zeros). A
   strict xfail that fails for that reason only; the same check passes on the same tokens packed
-  as one row and on two rows without cu_seqlens. Repro: docs/live-bugs/fla_955_causal_conv1d_varlen_batch.py.
+  as one row and on two rows without cu_seqlens. Repro: suites/live_bugs/fla_955_causal_conv1d_varlen_batch.py.
 - fla-871-1138 (fla #871, #1138; both fixed in 0.6.0): a strided dy (the conv's slice of a fused
   gradient) into the backward, with cu_seqlens and an initial state so that the dh0 kernel runs
   too: fla's kernels are right, and the plant reading dy as contiguous is caught, dx and dh0 named.

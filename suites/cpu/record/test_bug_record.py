@@ -133,7 +133,7 @@ def _strict_xfail_reason(function: ast.FunctionDef) -> str | None:
 
 def _assert_kernel_row(b: Bug) -> None:
     """A kernel row names existing test functions in existing files of its suite (and gpu-1), no
-    plant and nothing run here; a live bug (a repro) has its script under docs/ and its tests are
+    plant and nothing run here; a live bug (a repro) has its script under suites/live_bugs/ and its tests are
     strict xfails whose reason names the report."""
     assert b.check == "kernel" and b.runs == "kernel" and b.plant is None, f"{b.key}: a kernel row's check is its test"
     assert not b.located and not b.missing, f"{b.key}: its kernel test locates it, nothing runs here"
@@ -149,7 +149,7 @@ def _assert_kernel_row(b: Bug) -> None:
             assert reason and any(r.ref in reason for r in b.reports), f"{b.key}: {test} is no strict xfail naming it"
         else:
             assert reason is None, f"{b.key}: {test} is an xfail, but the entry names no repro (a live bug has one)"
-    assert not b.repro or (b.repro.startswith("docs/") and (ROOT / b.repro).is_file()), f"{b.key}: repro {b.repro!r}"
+    assert not b.repro or (b.repro.startswith("suites/live_bugs/") and (ROOT / b.repro).is_file()), f"{b.key}: repro {b.repro!r}"
 
 
 def test_a_trainer_plant_s_client_passes_unplanted(spawn):

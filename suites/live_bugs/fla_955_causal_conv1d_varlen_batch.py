@@ -1,7 +1,7 @@
 """fla PR #955 (open; live in fla 0.6.0): causal_conv1d with cu_seqlens and a batch of B > 1 rows
 returns a wrong dweight; y and dx are right.
 
-    python docs/live-bugs/fla_955_causal_conv1d_varlen_batch.py     # CUDA, or a CPU under Triton's interpreter
+    python suites/live_bugs/fla_955_causal_conv1d_varlen_batch.py     # CUDA, or a CPU under Triton's interpreter
 
 fla's backward (fla/modules/causal_conv1d/ops.py) sizes its per-chunk weight-gradient buffer
 B*NT rows (`dw = weight.new_empty(B*NT, ...)`), the varlen branch of its kernel writes rows

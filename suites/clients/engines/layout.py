@@ -1,0 +1,37 @@
+"""The engines' state layout: both vLLM and sglang keep a slot's recurrent state as `[HV, dv, dk]`
+(vLLM third_party/flash_linear_attention/ops/fused_recurrent.py:119, sglang
+kernels/ops/attention/fla/fused_recurrent.py), the transpose of linattn's `[HV, dk, dv]`; the conv
+state as linattn does, `[dim, W-1]`. The engine clients' pools are in the engines' layout, and the
+reference's states are given so (`engine_reference_forward`, the harness's reference_forward)."""
+
+from __future__ import annotations
+
+from linattn.layers import LayerState, shard_layer_state, unshard_layer_state
+
+__all__ = ["engine_reference_forward", "engine_shard_state", "engine_unshard_state", "from_engine_state",
+           "to_engine_state"]
+
+
+def to_engine_state(state) -> LayerState:
+    """linattn's LayerState in the engines' layout (recurrent `[.., dv, dk]`)."""
+    return LayerState(state.conv, state.recurrent.transpose(-1, -2).contiguous())
+
+
+def from_engine_state(state) -> LayerState:
+    return LayerState(state.conv, state.recurrent.transpose(-1, -2).contiguous())
+
+
+def engine_reference_forward(reference, x, cu_seqlens, state):
+    """The reference layer with its states in the engines' layout."""
+    y, final = reference(x, cu_seqlens, None if state is None else from_engine_state(state), output_final_state=True)
+    return y, to_engine_state(final)
+
+
+def engine_shard_state(config, state, placement, tp_rank) -> LayerState:
+    """The TP rank's part of a state in the engines' layout (`config` the replicated layer's): its
+    heads, as linattn's layer shards its own (`linattn.layers.shard_layer_state`)."""
+    return to_engine_state(shard_layer_state(from_engine_state(state), config, tp_rank, placement.tp))
+
+
+def engine_unshard_state(config, states, placement) -> LayerState:
+    return to_engine_state(unshard_layer_state([from_engine_state(s) for s in states], config))

@@ -1,0 +1,130 @@
+"""The engines' own GDN and KDA serving kernels through the serving checks, under Triton's
+interpreter in float32, against linattn's replicated float64 layer (float32 bound 1e-5).
+`assert_state_pool_parity`: prefill calls of chunks from the slots (a fresh sequence from zero),
+decode calls padded to a captured size, slots freed and reused, a spare pool and a full one.
+`assert_spec_decode_parity`: verify calls of the last accepted token and 2 drafts, 0 to 2 of
+them accepted.
+
+- vLLM 0.33.0, slot 0 the null block (reserved) and every padding row at it:
+  GDN (`clients.engines.vllm_gdn`): causal_conv1d_fn with cache_indices and has_initial_state,
+  the chunked recurrence from the gathered slots, written back; decode through
+  causal_conv1d_update and fused_sigmoid_gating_delta_rule_update on the slots in place, or the
+  decode-only fast path fused_recurrent_gated_delta_rule_packed_decode; speculative decoding
+  with `[N, 1 + K]` indices and num_accepted_tokens. KDA (`clients.engines.vllm_kda`):
+  chunk_kda_with_fused_gate, fused_recurrent_kda_packed_decode, fused_recurrent_kda for verify.
+- sglang 0.5.23, padding rows at -1 (`clients.engines.sglang_gdn`): GDN's causal_conv1d_fn, then
+  the recurrence reading and writing the slots itself (fused_recurrent_gated_delta_rule_update;
+  or the chunked kernel, which Triton 3.9 cannot run); decode through causal_conv1d_update and
+  fused_sigmoid_gating_delta_rule_update, or fused_recurrent_gated_delta_rule_packed_decode;
+  target_verify with intermediate buffers, the accepted step copied into the slot.
+"""
+
+import functools
+
+import pytest
+import torch
+
+from cases.layer_parity import replicated_layer
+from clients.engines.fetch import SGLANG, VLLM
+from clients.engines.loader import missing_reason
+from linattn.layers import LinearAttentionConfig
+from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, assert_spec_decode_parity,
+                                   assert_state_pool_parity)
+
+# two key heads, two value heads per key head (GVA, as Qwen3-Next)
+CONFIG = LinearAttentionConfig("qwen3_5", hidden_size=16, num_k_heads=2, num_v_heads=4, head_k_dim=8, head_v_dim=8,
+                               conv_size=4, norm_eps=1e-5)
+SEQLENS = (7, 6, 5, 8)
+CU = torch.tensor([0, *SEQLENS]).cumsum(0).to(torch.int32)
+# a 1-token first chunk, chunks from a state, decode runs of several lengths; 2 live at once:
+# sequences 2 and 3 take the slots freed
+PLANS = [SequencePlan((1, 4), 2), SequencePlan((3,), 3), SequencePlan((2, 1), 2), SequencePlan((5,), 3)]
+# vLLM's causal_conv1d_update asserts a pool of at least the batch's rows (causal_conv1d.py:1052):
+# the full pool holds 2 sequences' slots and the null block, so decode calls are padded to 3
+CAPTURE_SIZES = (3,)
+RTOL = 1e-5
+# KDA as Kimi Linear serves it: as many value heads as key heads, the bounded (safe) gate
+KDA_CONFIG = LinearAttentionConfig("kda", hidden_size=16, num_k_heads=2, num_v_heads=2, head_k_dim=8, head_v_dim=8,
+                                   conv_size=4, norm_eps=1e-5, gate_lower_bound=-5.0)
+
+
+def needs(release):
+    reason = missing_reason(release)
+    return pytest.mark.skipif(reason is not None, reason=str(reason))
+
+
+def check(spawn, path, name, config=CONFIG, placements=(Placement(),)):
+    from clients.engines.layout import engine_reference_forward
+
+    assert_state_pool_parity(spawn, path, replicated_layer(config, 41), placements, CU, plans=PLANS,
+                             hidden_size=config.hidden_size, seed=42, rtol=RTOL, max_live=2,
+                             capture_sizes=CAPTURE_SIZES, dtype=torch.float32,
+                             reference_forward=engine_reference_forward, name=name)
+
+
+@needs(VLLM)
+@pytest.mark.parametrize("decode_kernel", ["fused_sigmoid_gating", "packed"])
+def test_vllm_gdn_pool_matches_the_float64_layer(spawn, decode_kernel):
+    from clients.engines.vllm_gdn import vllm_pool_path
+
+    check(spawn, vllm_pool_path(CONFIG, decode_kernel), f"vllm-gdn-{decode_kernel}")
+
+
+@needs(VLLM)
+def test_vllm_gdn_pool_at_tp2(spawn):
+    """Each TP rank's kernels on its pool of its heads' states (one key head, two value heads)."""
+    from clients.engines.vllm_gdn import vllm_pool_path
+
+    check(spawn, vllm_pool_path(CONFIG), "vllm-gdn-tp2", placements=(Placement(tp=2),))
+
+
+@needs(VLLM)
+def test_vllm_kda_pool_matches_the_float64_layer(spawn):
+    from clients.engines.vllm_kda import vllm_kda_pool_path
+
+    check(spawn, vllm_kda_pool_path(KDA_CONFIG), "vllm-kda", KDA_CONFIG)
+
+
+@needs(SGLANG)
+@pytest.mark.parametrize("decode_kernel", ["fused_sigmoid_gating", "packed"])
+def test_sglang_gdn_pool_matches_the_float64_layer(spawn, decode_kernel):
+    from clients.engines.sglang_gdn import sglang_pool_path
+
+    check(spawn, sglang_pool_path(CONFIG, decode_kernel=decode_kernel), f"sglang-gdn-{decode_kernel}")
+
+
+@needs(SGLANG)
+def test_sglang_gdn_pool_with_chunked_prefill(spawn):
+    from clients.engines.sglang_gdn import chunk_unavailable_reason, sglang_pool_path
+
+    if chunk_unavailable_reason():  # Triton's language: compiled kernels too
+        pytest.skip(chunk_unavailable_reason())
+    check(spawn, sglang_pool_path(CONFIG, prefill_recurrence="chunk"), "sglang-gdn-chunk")
+
+
+# speculative decoding: a bonus token and 2 drafts per verify call, drafts accepted 0, 1 or 2
+NUM_DRAFT = 2
+SPEC_PLANS = [SpecPlan((3,), (2, 0)), SpecPlan((1, 2), (1, 2)), SpecPlan((4,), (0,))]
+
+
+@needs(VLLM)
+@pytest.mark.parametrize("op", ["gdn", "kda"])
+def test_vllm_spec_decode_matches_the_serial_run(spawn, op):
+    from clients.engines.vllm_gdn import spec_reference_forward, vllm_spec_path
+
+    config = KDA_CONFIG if op == "kda" else CONFIG
+    assert_spec_decode_parity(spawn, vllm_spec_path(config, NUM_DRAFT), replicated_layer(config, 41), [Placement()],
+                              SPEC_PLANS, num_draft=NUM_DRAFT, hidden_size=config.hidden_size, seed=43, rtol=RTOL,
+                              dtype=torch.float32,
+                              reference_forward=functools.partial(spec_reference_forward, NUM_DRAFT),
+                              name=f"vllm-{op}-spec")
+
+
+@needs(SGLANG)
+def test_sglang_gdn_spec_decode_matches_the_serial_run(spawn):
+    from clients.engines.layout import engine_reference_forward
+    from clients.engines.sglang_gdn import sglang_spec_path
+
+    assert_spec_decode_parity(spawn, sglang_spec_path(CONFIG), replicated_layer(CONFIG, 41), [Placement()],
+                              SPEC_PLANS, num_draft=NUM_DRAFT, hidden_size=CONFIG.hidden_size, seed=43, rtol=RTOL,
+                              dtype=torch.float32, reference_forward=engine_reference_forward, name="sglang-gdn-spec")
