@@ -201,10 +201,14 @@ def _check_steps(layer, p: Placement, results, ref_steps, rtol, bitwise, case_na
         # rank's tokens unless SP splits them; DP ranks hold different micro-batches)
         tp_holders = range(tp) if p.sequence_parallel else (0,)
         holders = [(t, c, d) for d in range(dp) for c in range(cp) for t in tp_holders]
+        before = len(failures)
         collect(assert_parity, sum(at(*h)[0] for h in holders), loss_ref, rtol=rtol, name=f"{label} loss")
-        # each micro-batch's loss, from the ranks holding its tokens (DP rank m % dp): which one goes wrong
-        parts = [sum(at(t, c, m % dp)[4][m] for c in range(cp) for t in tp_holders) for m in range(len(packings))]
-        collect(_check_micro_batch_losses, parts, parts_ref, packings, rtol, f"{label} loss by micro-batch")
+        if len(failures) > before:
+            # a wrong loss: each micro-batch's, from the ranks holding its tokens (DP rank m % dp), says
+            # which one goes wrong. Only then: a micro-batch's loss is a sum of terms of both signs, so
+            # a client's float32 rounding, within rtol on every tensor, can exceed rtol on it
+            parts = [sum(at(t, c, m % dp)[4][m] for c in range(cp) for t in tp_holders) for m in range(len(packings))]
+            collect(_check_micro_batch_losses, parts, parts_ref, packings, rtol, f"{label} loss by micro-batch")
         if not p.sequence_parallel:
             for t, c, d in ((t, c, d) for t in range(1, tp) for c in range(cp) for d in range(dp)):
                 collect(assert_parity, at(t, c, d)[0], at(0, c, d)[0], rtol=rtol,
