@@ -27,6 +27,9 @@ COMPILE_GROUPS = {
     "chunk_gdn": ("test_gdn_direct_route_matches_reference", "test_gdn_direct_backward_is_refused",
                   "[chunk_gdn-"),
     "fused_recurrent": ("[fused_recurrent_",),
+    # the engines' own kernels (test_engines_gpu1.py), which no fla test compiles: vLLM's, sglang's
+    "vllm_engine": ("test_engines_gpu1.py::test_vllm_",),
+    "sglang_engine": ("test_engines_gpu1.py::test_sglang_",),
 }
 
 

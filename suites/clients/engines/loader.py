@@ -9,7 +9,8 @@ Two kinds of stand-ins, nothing else:
 - bare packages: each package on the way to a kernel module is registered as an empty module
   whose `__path__` is the real folder, so `import vllm.x.y` finds the real `vllm/x/y.py` but
   never runs `vllm/__init__.py` (which imports the whole engine and its compiled extensions);
-- stub modules for a few incidental imports: platform probes (no CUDA, no ROCm, and not
+- stub modules for a few incidental imports: platform probes (CUDA and the device's capability
+  where the kernels are compiled for a GPU, no CUDA under the interpreter; no ROCm; never
   `is_cpu()`: vLLM's causal_conv1d.py:1131-1137 swaps its Triton functions for vllm._C CPU ops
   when it is), re-exports of triton, and constants copied from modules that import the engine.
 
@@ -17,7 +18,8 @@ Before the first import the files are checked against the hashes `fetch` recorde
 wheel: a missing or changed file raises `EngineFilesError`, naming the file and the release.
 On a CPU the kernels run under Triton's interpreter (TRITON_INTERPRET=1 before they are
 defined): linattn's interpreter patches (`linattn.emulation.interpreted`) and one more here
-(`_replaced_grid_arguments`).
+(`_replaced_grid_arguments`). With CUDA and without TRITON_INTERPRET=1 they are compiled: no
+patches, the probes report the GPU.
 """
 
 from __future__ import annotations
@@ -109,10 +111,19 @@ def _packages(carried) -> list:
     return sorted(names - real, key=lambda n: (n.count("."), n))
 
 
+def _device_capability(device_id=None):
+    """The CUDA device's (major, minor), as torch reports it."""
+    import torch
+
+    return torch.cuda.get_device_capability(device_id)
+
+
 class _VllmPlatform:
     """vllm.platforms.current_platform, as far as the carried kernels ask: CUDA where the kernels
-    are compiled for a GPU, never `is_cpu()` (which swaps the conv kernels for vllm._C ops),
-    no PDL."""
+    are compiled for a GPU, its capability the device's (vllm/platforms/cuda.py: capability
+    major * 10 + minor; kda/chunk_intra.py:571-574 picks tf32 for solve_tril from it,
+    fused_recurrent.py:445-446 a Blackwell path), none on a CPU; never `is_cpu()` (which swaps
+    the conv kernels for vllm._C ops); no PDL."""
 
     def __init__(self, cuda: bool):
         self.cuda = cuda
@@ -135,17 +146,28 @@ class _VllmPlatform:
     def is_arch_support_pdl(self):
         return False
 
-    def is_device_capability_family(self, *args, **kwargs):
-        return False
+    def get_device_capability(self, device_id=0):
+        if not self.cuda:
+            return None
+        major, minor = _device_capability(device_id)
+        return types.SimpleNamespace(major=major, minor=minor, to_int=lambda: major * 10 + minor,
+                                     as_version_str=lambda: f"{major}.{minor}")
 
-    def is_device_capability(self, *args, **kwargs):
-        return False
+    def has_device_capability(self, capability, device_id=0):
+        found = self.get_device_capability(device_id)
+        if found is None:
+            return False
+        return found.to_int() >= (capability if isinstance(capability, int) else capability[0] * 10 + capability[1])
 
-    def has_device_capability(self, *args, **kwargs):
-        return False
+    def is_device_capability(self, capability, device_id=0):
+        found = self.get_device_capability(device_id)
+        if found is None:
+            return False
+        return found.to_int() == (capability if isinstance(capability, int) else capability[0] * 10 + capability[1])
 
-    def get_device_capability(self, *args, **kwargs):
-        return None
+    def is_device_capability_family(self, capability, device_id=0):
+        found = self.get_device_capability(device_id)
+        return found is not None and found.to_int() // 10 == capability // 10
 
     def is_pin_memory_available(self):
         return False
@@ -177,13 +199,14 @@ def _prepare(release: Release) -> None:
         import torch
         from packaging import version
 
-        sm = 90 if cuda else 0
+        major, minor = _device_capability() if cuda else (0, 0)
+        sm = major * 10 + minor  # sglang/srt/utils/common.py get_device_sm
         _stub("sglang.kernels.jit.utils", is_arch_support_pdl=lambda: False,
-              get_jit_cuda_arch=lambda: types.SimpleNamespace(major=sm // 10, minor=0))
+              get_jit_cuda_arch=lambda: types.SimpleNamespace(major=major, minor=minor))
         _stub("sglang.srt")  # the parent of the two below (the real package imports the engine)
         _stub("sglang.srt.utils", is_cuda=lambda: cuda, is_hip=lambda: False, is_npu=lambda: False,
               is_xpu=lambda: False, is_cpu=lambda: False, is_gfx95_supported=lambda: False,
-              is_sm90_supported=lambda: cuda, get_device_sm=lambda: sm, cpu_has_amx_support=lambda: False,
+              is_sm90_supported=lambda: major == 9, get_device_sm=lambda: sm, cpu_has_amx_support=lambda: False,
               cdiv=lambda a, b: -(a // -b), next_power_of_2=lambda n: 1 if n <= 1 else 1 << (n - 1).bit_length())
         # sglang/srt/utils/common.py:120 computes this; that file imports 70 modules of the engine
         _stub("sglang.srt.utils.common", torch_release=version.parse(torch.__version__).release)

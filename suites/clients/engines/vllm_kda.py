@@ -62,8 +62,13 @@ class VllmKDA(KimiDeltaAttention):
         kda = load_vllm(KDA_OPS)
         zero_bias = torch.zeros_like(g[0, 0]).reshape(-1)  # dt_bias is in g already (module docstring)
         if call.kind == "verify":  # kimi_gdn_linear_attn.py:513-527, the rows' slots `[N, 1 + K]`
+            # q, k and v as the layer hands them: views of one fused qkv (the kernel asserts one token
+            # stride for the three, fused_recurrent.py:358; with head_v_dim != head_k_dim only views pass)
+            mixed = torch.cat([t.flatten(2) for t in (q, k, v)], -1)
+            ends = torch.tensor([0, q[0, 0].numel(), k[0, 0].numel(), v[0, 0].numel()]).cumsum(0).tolist()
+            q, k, v = (mixed[..., a:b].unflatten(-1, t.shape[2:]) for a, b, t in zip(ends, ends[1:], (q, k, v)))
             o, _ = kda.fused_recurrent_kda(
-                q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), raw_g=g.contiguous(), raw_beta=beta.contiguous(),
+                q=q, k=k, v=v, raw_g=g.contiguous(), raw_beta=beta.contiguous(),
                 A_log=gate["A_log"].reshape(-1).contiguous(), dt_bias=zero_bias, lower_bound=gate["lower_bound"],
                 initial_state=call.pool.recurrent, cu_seqlens=cu_seqlens.to(torch.int32), ssm_state_indices=call.slots,
                 num_accepted_tokens=call.num_accepted)
