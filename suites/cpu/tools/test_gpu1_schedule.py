@@ -22,13 +22,13 @@ def _conftest():
 
 
 def _test_names_and_case_ids() -> list[str]:
-    """Every test function of gpu-1 and every case id (OP_CASES keys, BF16_CASES), as `[id]`."""
+    """Every test function of gpu-1 as `file::name` and every case id (OP_CASES keys, BF16_CASES), as `[id]`."""
     names = [f"[{case}]" for case in BF16_CASES]
     for path in GPU1.glob("test_*.py"):
         tree = ast.parse(path.read_text())
         for node in tree.body:
             if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
-                names.append(node.name)
+                names.append(f"{path.name}::{node.name}")  # an entry may name the file too
             if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "OP_CASES" for t in node.targets):
                 names += [f"[{key.value}]" for key in node.value.keys]
     return names
@@ -36,7 +36,7 @@ def _test_names_and_case_ids() -> list[str]:
 
 def test_every_compile_group_entry_names_a_gpu1_test():
     names = _test_names_and_case_ids()
-    assert any(n.startswith("[chunk_kda") for n in names) and "test_kda_matches_reference" in names
+    assert any(n.startswith("[chunk_kda") for n in names) and "test_kernels_gpu1.py::test_kda_matches_reference" in names
     stale = [(group, entry) for group, entries in _conftest().COMPILE_GROUPS.items()
              for entry in entries if not any(entry in name for name in names)]
     assert not stale, f"compile group entries that match no gpu-1 test or case: {stale}"
