@@ -2,14 +2,17 @@
 (vLLM third_party/flash_linear_attention/ops/fused_recurrent.py:119, sglang
 kernels/ops/attention/fla/fused_recurrent.py), the transpose of linattn's `[HV, dk, dv]`; the conv
 state as linattn does, `[dim, W-1]`. The engine clients' pools are in the engines' layout, and the
-reference's states are given so (`engine_reference_forward`, the harness's reference_forward)."""
+reference's states are given so (`engine_reference_forward`, the harness's reference_forward).
+`call_with_pool`: how every engine client hands a call's pool and slots to its layer's kernels."""
 
 from __future__ import annotations
 
+import types
+
 from linattn.layers import LayerState, shard_layer_state, unshard_layer_state
 
-__all__ = ["engine_reference_forward", "engine_shard_state", "engine_unshard_state", "from_engine_state",
-           "to_engine_state"]
+__all__ = ["call_with_pool", "engine_reference_forward", "engine_shard_state", "engine_unshard_state",
+           "from_engine_state", "to_engine_state"]
 
 
 def to_engine_state(state) -> LayerState:
@@ -35,3 +38,13 @@ def engine_shard_state(config, state, placement, tp_rank) -> LayerState:
 
 def engine_unshard_state(config, states, placement) -> LayerState:
     return to_engine_state(unshard_layer_state([from_engine_state(s) for s in states], config))
+
+
+def call_with_pool(module, x, cu_seqlens, **call):
+    """module(x, cu_seqlens) with `module.pool_call` set to this call (its kind, pool, slots, ...), which
+    the layer's conv and recurrence read, and cleared after."""
+    module.pool_call = types.SimpleNamespace(**call)
+    try:
+        return module(x, cu_seqlens)
+    finally:
+        module.pool_call = None

@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import types
 
 import torch
 
 from cases.layer_parity import linattn_layer
+from clients.engines.layout import call_with_pool
 from clients.engines.loader import load_sglang
 from linattn.layers import GatedDeltaNet
 from pytest_linattn.harness import SpecDecodePath, StatePoolPath
@@ -125,21 +125,14 @@ def sglang_pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
     fresh = fresh.to(slots.device)
     for f in pool:
         f.index_fill_(0, slots[fresh], 0)
-    module.pool_call = types.SimpleNamespace(kind="prefill", pool=pool, slots=slots.to(torch.int32),
-                                             has_initial_state=~fresh)
-    try:
-        return module(x, cu_seqlens)
-    finally:
-        module.pool_call = None
+    return call_with_pool(module, x, cu_seqlens, kind="prefill", pool=pool, slots=slots.to(torch.int32),
+                          has_initial_state=~fresh)
 
 
 def sglang_pool_decode(module, x, pool, slots, num_valid, placement):
     """Every row of the padded batch in one call, one token each; padding rows at PAD_SLOT_ID."""
-    module.pool_call = types.SimpleNamespace(kind="decode", pool=pool, slots=slots.to(torch.int32))
-    try:
-        return module(x, torch.arange(x.shape[1] + 1, dtype=torch.int32))
-    finally:
-        module.pool_call = None
+    return call_with_pool(module, x, torch.arange(x.shape[1] + 1, dtype=torch.int32),
+                          kind="decode", pool=pool, slots=slots.to(torch.int32))
 
 
 def _build(config, prefill_recurrence, decode_kernel, placement, groups, dtype, device):
@@ -193,13 +186,8 @@ def sglang_verify(module, x, cu_seqlens, pool, slots, placement):
     N, steps = slots.shape[0], x.shape[1] // slots.shape[0]
     module.verify_buffers = (pool.conv.new_zeros((N, steps) + tuple(pool.conv.shape[1:])),
                              pool.recurrent.new_zeros((N, steps) + tuple(pool.recurrent.shape[1:])))
-    module.pool_call = types.SimpleNamespace(kind="verify", pool=pool, slots=slots.to(torch.int32), steps=steps,
-                                             rows=torch.arange(N, dtype=torch.int32, device=slots.device),
-                                             buffers=module.verify_buffers)
-    try:
-        return module(x, cu_seqlens)
-    finally:
-        module.pool_call = None
+    return call_with_pool(module, x, cu_seqlens, kind="verify", pool=pool, slots=slots.to(torch.int32), steps=steps,
+                          rows=torch.arange(N, dtype=torch.int32, device=slots.device), buffers=module.verify_buffers)
 
 
 def sglang_accept(module, pool, slots, num_accepted_tokens, placement):

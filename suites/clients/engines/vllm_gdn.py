@@ -35,7 +35,7 @@ import torch
 
 from cases.layer_parity import linattn_layer
 from clients.engines.loader import load_vllm
-from clients.engines.layout import engine_reference_forward, engine_shard_state, engine_unshard_state
+from clients.engines.layout import call_with_pool, engine_reference_forward, engine_shard_state, engine_unshard_state
 from clients.spec_decode import current_slots, num_accepted, row_accept, row_prefill_slots
 from linattn.layers import GatedDeltaNet, LayerState
 from pytest_linattn.harness import SpecDecodePath, StatePoolPath
@@ -143,21 +143,14 @@ class VllmGDN(GatedDeltaNet):
 
 def vllm_pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
     """One chunk of each sequence from its slot (zeros when fresh), written back to it."""
-    module.pool_call = types.SimpleNamespace(kind="prefill", pool=pool, slots=slots.to(torch.int32),
-                                             has_initial_state=~fresh.to(slots.device))
-    try:
-        return module(x, cu_seqlens)
-    finally:
-        module.pool_call = None
+    return call_with_pool(module, x, cu_seqlens, kind="prefill", pool=pool, slots=slots.to(torch.int32),
+                          has_initial_state=~fresh.to(slots.device))
 
 
 def vllm_pool_decode(module, x, pool, slots, num_valid, placement):
     """Every row of the padded batch in one call, one token each; padding rows at the null block."""
-    module.pool_call = types.SimpleNamespace(kind="decode", pool=pool, slots=slots.to(torch.int32))
-    try:
-        return module(x, torch.arange(x.shape[1] + 1, dtype=torch.int32))
-    finally:
-        module.pool_call = None
+    return call_with_pool(module, x, torch.arange(x.shape[1] + 1, dtype=torch.int32),
+                          kind="decode", pool=pool, slots=slots.to(torch.int32))
 
 
 def _build(config, placement, groups, dtype, device, decode_kernel="fused_sigmoid_gating"):
@@ -214,24 +207,15 @@ def vllm_row_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
     """A prefill of each row from its current slot (its first after a fresh start), the conv state in
     the row's first slot."""
     current = row_prefill_slots(module, pool, slots, fresh)
-    module.pool_call = types.SimpleNamespace(kind="prefill", pool=pool, slots=current.to(torch.int32),
-                                             conv_slots=slots[:, 0].to(torch.int32),
-                                             has_initial_state=~fresh.to(slots.device))
-    try:
-        return module(x, cu_seqlens)
-    finally:
-        module.pool_call = None
+    return call_with_pool(module, x, cu_seqlens, kind="prefill", pool=pool, slots=current.to(torch.int32),
+                          conv_slots=slots[:, 0].to(torch.int32), has_initial_state=~fresh.to(slots.device))
 
 
 def vllm_row_verify(module, x, cu_seqlens, pool, slots, placement):
     """1 + K tokens of each row in one call, with the num_accepted_tokens of its last call."""
     accepted = num_accepted(module, pool, slots)
-    module.pool_call = types.SimpleNamespace(kind="verify", pool=pool, slots=slots.to(torch.int32),
-                                             num_accepted=accepted.to(torch.int32))
-    try:
-        return module(x, cu_seqlens)
-    finally:
-        module.pool_call = None
+    return call_with_pool(module, x, cu_seqlens, kind="verify", pool=pool, slots=slots.to(torch.int32),
+                          num_accepted=accepted.to(torch.int32))
 
 
 def vllm_row_state(module, pool, slots, placement):
