@@ -76,10 +76,19 @@ def option_value(config, key):
         raise pytest.UsageError(str(exc)) from None
 
 
+# what Triton kernels run interpreted on a CPU say every time: fla's (and the engines' copies of its)
+# platform note, numpy's overflow in the interpreter's masked-out lanes (what a GPU would never load)
+INTERPRETED_QUIET = ("ignore:Triton is not supported on current platform:UserWarning",
+                     "ignore::RuntimeWarning:triton.runtime.interpreter")
+
+
 @pytest.hookimpl(trylast=True)  # after the terminal reporter is registered
 def pytest_configure(config):
     for line in MARKERS:
         config.addinivalue_line("markers", line)
+    if option_value(config, "fla_interpreted"):
+        for line in INTERPRETED_QUIET:
+            config.addinivalue_line("filterwarnings", line)
     from .mutation.recorder import MARKER, MutationRecorder
 
     config.addinivalue_line("markers", MARKER)

@@ -5,22 +5,6 @@ Triton's interpreter, float32, on a CPU.
 suites.toml gives it ``--linattn-fla-interpreted on``: TRITON_INTERPRET=1 and linattn's interpreter
 patches are set at session start, before any kernel is defined, in this process and in the ranks
 spawn starts. So it needs a pytest process of its own: ``pytest suites/engines``. A test whose
-release was not fetched skips, saying so and how to fetch it.
+release was not fetched skips, saying so and how to fetch it. The interpreter's warnings are
+quieted by the plugin in that mode.
 """
-
-import pytest
-
-# what running the kernels on a CPU says every time: sglang's fla platform note, numpy's overflow in
-# the interpreter's masked-out lanes
-QUIET = ("ignore:Triton is not supported on current platform:UserWarning",
-         "ignore::RuntimeWarning:triton.runtime.interpreter")
-
-
-def pytest_collection_modifyitems(config, items):
-    from pathlib import Path
-
-    here = Path(__file__).resolve().parent
-    for item in items:
-        if here in Path(item.path).resolve().parents:
-            for line in QUIET:
-                item.add_marker(pytest.mark.filterwarnings(line))

@@ -17,20 +17,6 @@ if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-# what running fla's kernels on a CPU says every time: fla's platform note, numpy's overflow in the
-# interpreter's masked-out lanes (exp of what a GPU would never load)
-QUIET = ("ignore:Triton is not supported on current platform:UserWarning",
-         "ignore::RuntimeWarning:triton.runtime.interpreter")
-
-
-def pytest_collection_modifyitems(config, items):
-    here = Path(__file__).resolve().parent
-    for item in items:
-        if here in Path(item.path).resolve().parents:
-            for line in QUIET:
-                item.add_marker(pytest.mark.filterwarnings(line))
-
-
 @pytest.fixture(autouse=True)
 def _fla_interpreted_here(fla_interpreted):
     """Every test here runs with fla's kernels interpreted, also when the option was turned off."""
