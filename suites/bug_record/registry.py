@@ -1,7 +1,9 @@
 """The bug record: the public reports (2025-2026) of bugs in sharded or stateful linear-attention
 and SSM layers, grouped by mechanism (docs/bugs.md is the table made from a run), one `Bug` each:
 its upstream report(s), its mechanism in one sentence, its class, the check that must catch it,
-the plant (`plants_layer`, `plants_state`) and where the plant runs.
+the plant (`plants_layer`, `plants_state`) and where the plant runs. A serving entry whose
+mechanism lived in an engine's code around its kernels is also planted there (`plants_engines`,
+`engine_tests`): vLLM's or sglang's own kernels, pinned, under the serving check, in suite engines.
 
 Adding a bug is one entry here and one plant. `caught`: the check must fail on the plant with a
 report matching `located` (a line naming the tensor and the sequence, token, head, call or rank
@@ -95,6 +97,9 @@ class Bug:
     kernel_test: str = ""  # a kernel row's catch: "suites/<suite>/<file>.py::<function>"
     gpu_test: str = ""  # a kernel row's check on fla's compiled kernels: "suites/gpu-1/<file>.py::<function>"
     repro: str = ""  # a live bug (the pinned release has it): its standalone repro, a path under suites/live_bugs/
+    # the mechanism planted in an engine's own code path around its unchanged kernels (vLLM, sglang):
+    # "suites/engines/test_record_on_engines.py::<function>" each, caught there (plants_engines)
+    engine_tests: tuple[str, ...] = ()
     fidelity: str = ""  # one of FIDELITIES
     fidelity_note: str = ""  # how (required unless faithful): where it lived and is planted, which part, ...
 
@@ -131,6 +136,7 @@ def _training(cls=None, layer_fields=None, **step):
         return (L.planted_layer(CONFIG, cls, **(layer_fields or {})), TrainingStep(steps=2, max_norm=MAX_NORM, **step))
     return make
 
+ENGINES = "suites/engines/test_record_on_engines.py::"
 FIRST_BACKWARD = (r"first call whose backward is wrong [^:]*: sequence \d+ \(chunks [\d+]+(, then \d decode steps)?\), "
                   r"(chunk|decode step) \d of \d \([^)]*\)(, token \d+)?")
 
@@ -361,7 +367,10 @@ BUGS = (
         "state carry / kernel selection", "Yes", "continuation",
         _path(prefill=S.prefill_reading_a_stale_state_for_1_token_chunks), "stateful",
         located=first_wrong_in_prefill(lambda size, offset: 0 if size == 1 else None),
-        fidelity="faithful", fidelity_note=("the reused, unzeroed state page stands as the neighbouring row's state")),
+        engine_tests=(f"{ENGINES}test_vllm_51483_first_chunk_of_1_token_run_as_a_decode",),
+        fidelity="faithful", fidelity_note=("the reused, unzeroed state page stands as the neighbouring row's state; "
+            "also planted in vLLM 0.33.0's metadata builder (the 1-token row routed to the decode kernels, reading the "
+            "page a previous sequence left) around its own kernels")),
     Bug("fla-conv-dht-column-0", "5",
         (Report("fla-org/flash-linear-attention", "causal_conv1d backward (project finding)",
                 "https://github.com/fla-org/flash-linear-attention/tree/main/fla/modules"),),
@@ -483,14 +492,20 @@ BUGS = (
         "with prefix caching a chunk shorter than W-1 wrote its conv state into the shared prefix block it read "
         "from; its own block was never written", "state pool (conv)", "No", "state-pool-prefix",
         _pool(prefill=S.prefill_writing_a_short_chunk_into_the_prefix_block), "stateful", located=PREFIX_BLOCK_WRITTEN,
-        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not vLLM's code")),
+        engine_tests=(f"{ENGINES}test_vllm_56196_short_chunk_writes_the_prefix_block",),
+        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), and in vLLM "
+            "0.33.0's align-mode prefix copies around its own kernels (the short chunk's conv run in the prefix block)")),
     Bug("vllm-37728-padded-slots", "27", (gh("vllm-project/vllm", 37728), gh("vllm-project/vllm", 49757),
-                                          gh("vllm-project/vllm", 55178), gh("NVIDIA/TensorRT-LLM", 13151)),
+                                          gh("vllm-project/vllm", 55178), gh("NVIDIA/TensorRT-LLM", 13151),
+                                          gh("vllm-project/vllm", 23035, "pull"), gh("lightseekorg/tokenspeed", 700, "pull")),
         "CUDA-graph padded rows or DP dummy runs write state through a padding slot equal to a live slot (0)",
         "CUDA graph / decode state pool", "No", "state-pool", _pool(decode=S.decode_writing_padding_rows_through_slot_0),
         "stateful", located=POOL_SLOT_0,
-        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not the "
-            "engines' code")),
+        engine_tests=(f"{ENGINES}test_vllm_37728_padding_rows_from_stale_state_indices",
+                      f"{ENGINES}test_sglang_padding_rows_clamped_to_live_slot_0"),
+        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py); and around the "
+            "engines' own kernels: vLLM 0.33.0's CUDA-graph state indices without the padding rows' NULL_BLOCK_ID "
+            "fill (stale rows), sglang 0.5.23's PAD_SLOT_ID clamped to 0 (tokenspeed #700)")),
     Bug("sglang-31474", "28", (gh("sgl-project/sglang", 31474),),
         "the KDA backend never wrote mamba track snapshots, so prefix hits restored garbage state",
         "state carry (prefix cache)", "No", "state-pool-prefix", _pool(prefill=S.prefill_without_track_snapshots),
@@ -501,8 +516,11 @@ BUGS = (
                                      gh("vllm-project/vllm-ascend", 12255)),
         "spec-decode verify keeps the state advanced by rejected drafts", "MTP / spec decode", "No",
         "spec-decode", _spec(accept=S.accept_keeping_rejected_drafts), "stateful", located=SPEC_STATE,
-        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/spec_decode.py), not the "
-            "engines' code")),
+        engine_tests=(f"{ENGINES}test_sglang_27658_verify_keeps_the_rejected_drafts",
+                      f"{ENGINES}test_vllm_spec_rows_keep_the_rejected_drafts"),
+        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/spec_decode.py); and around the "
+            "engines' own kernels: sglang 0.5.23's accept after target_verify taking the buffers' last step, vLLM "
+            "0.33.0's next step handed num_accepted_tokens = 1 + K")),
     Bug("sglang-38975", "30", (gh("sgl-project/sglang", 38975),),
         "GDN packed decode rounds sigmoid(beta) through bf16; the error enters the state every token",
         "dtype (state precision)", "No", "continuation", _path(S.DecodeBetaThroughBF16), "stateful",

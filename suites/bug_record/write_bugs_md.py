@@ -30,8 +30,11 @@ sys.path.insert(0, str(ROOT / "suites"))
 
 from bug_record.checks import CHECKS  # noqa: E402
 from bug_record.registry import BUGS, FIDELITIES  # noqa: E402
+from clients.engines.fetch import RELEASES  # noqa: E402
 
 TEST = "suites/cpu/record/test_bug_record.py"
+ENGINE_FILE = "suites/engines/test_record_on_engines.py"
+ENGINE_VERSIONS = {r.engine: r.version for r in RELEASES}
 COMMAND = "python suites/bug_record/write_bugs_md.py"
 README_START, README_END = "<!-- bug-record:start -->", "<!-- bug-record:end -->"
 
@@ -68,10 +71,10 @@ def outcomes(xml_path: Path) -> dict[str, dict]:
     return rows
 
 
-def run_kernel_tests(xml_path: Path) -> float:
-    """The kernel rows' fla-interpret test files, in one pytest process (the suite's options: fla's
-    kernels interpreted), with a JUnit XML report; the seconds it took."""
-    files = sorted({b.kernel_test.partition("::")[0] for b in BUGS if b.suite == "fla-interpret"})
+def run_tests(tests, xml_path: Path, what: str) -> float:
+    """The files of `tests` ("<file>::<function>") in one pytest process of their suite (its
+    options: kernels interpreted), with a JUnit XML report; the seconds it took."""
+    files = sorted({t.partition("::")[0] for t in tests})
     if not files:
         return 0.0
     args = [sys.executable, "-m", "pytest", *files, "-q", "-p", "no:cacheprovider", f"--junitxml={xml_path}"]
@@ -79,8 +82,19 @@ def run_kernel_tests(xml_path: Path) -> float:
     done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True)
     if done.returncode != 0:
         sys.stdout.write(done.stdout[-6000:] + done.stderr[-3000:])
-        raise SystemExit(f"the kernel tests' run failed (exit {done.returncode}): docs/bugs.md not written")
+        raise SystemExit(f"the {what}' run failed (exit {done.returncode}): docs/bugs.md not written")
     return (datetime.datetime.now() - started).total_seconds()
+
+
+def test_outcomes(xml_path: Path) -> dict[str, dict]:
+    """{"<file>::<function>": {"outcome", "seconds", "located"}} from a JUnit report."""
+    cases = {}
+    for case in ET.parse(xml_path).getroot().iter("testcase"):
+        test = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
+        props = {p.get("name"): p.get("value") for p in case.iter("property")}
+        cases[test] = dict(outcome=_case_outcome(case), seconds=props.get("seconds", case.get("time")),
+                           located=props.get("located"))
+    return cases
 
 
 def _case_outcome(case) -> str:
@@ -96,11 +110,7 @@ def kernel_outcomes(xml_path: Path) -> dict[str, dict]:
     """{bug key: {"outcome", "seconds", "located"}} of the kernel rows from their tests' JUnit
     report: "caught" where the test passed (its plant caught, located), "live" where a live bug's
     test (a repro) is the strict xfail it must be; anything else as it came ("failed", ...)."""
-    cases = {}
-    for case in ET.parse(xml_path).getroot().iter("testcase"):
-        test = case.get("classname", "").replace(".", "/") + ".py::" + case.get("name", "")
-        props = {p.get("name"): p.get("value") for p in case.iter("property")}
-        cases[test] = dict(outcome=_case_outcome(case), seconds=props.get("seconds"), located=props.get("located"))
+    cases = test_outcomes(xml_path)
     rows = {}
     for b in BUGS:
         if b.suite != "fla-interpret":
@@ -164,9 +174,29 @@ def _commit() -> str:
     return sha + (" (with uncommitted changes)" if dirty else "")
 
 
+def _engine_cell(b, engine_cases: dict) -> str:
+    """An entry's plants around the engines' own kernels: each test's outcome ("caught" where it passed:
+    the check failed on the plant and its report located it) and time."""
+    said = []
+    for test in b.engine_tests:
+        case = engine_cases.get(test, {"outcome": "not run"})
+        outcome = "caught" if case["outcome"] == "passed" else case["outcome"]
+        took = f" in {float(case['seconds']):.2f} s" if case.get("seconds") and outcome == "caught" else ""
+        said.append(f"`{test.partition('::')[2]}` {outcome}{took}")
+    return f"; on the engines' own kernels ({ENGINE_FILE}): " + ", ".join(said) if said else ""
+
+
+def engines_caught(engine_cases: dict) -> list:
+    """The entries every one of whose engine plants was caught."""
+    return [b for b in BUGS if b.engine_tests and all(engine_cases.get(t, {}).get("outcome") == "passed"
+                                                      for t in b.engine_tests)]
+
+
 def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({}, ""), kernel_seconds: float = 0.0,
-           fla: str = "the pinned fla") -> str:
+           fla: str = "the pinned fla", engines=({}, 0.0)) -> str:
     gpu_rows, gpu_run = gpu
+    engine_cases, engine_seconds = engines
+    on_engines = engines_caught(engine_cases)
     caught = [b for b in BUGS if b.suite == "cpu" and rows.get(b.key, {}).get("outcome") == "caught"]
     kernel = [b for b in BUGS if b.suite != "cpu" and rows.get(b.key, {}).get("outcome") == "caught"]
     live = [b for b in BUGS if rows.get(b.key, {}).get("outcome") == "live"]
@@ -186,6 +216,13 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
         "matches). The kernel rows' tests are described below.",
         "",
         headline(len(caught), len(on_gpu), len(BUGS), gpu_run, kernel=len(kernel), live=[b.key for b in live], fla=fla),
+        "",
+        f"{len(on_engines)} serving entries are also planted in the engine-side code they lived in, around the",
+        f"engines' own unchanged kernels (vLLM {ENGINE_VERSIONS['vllm']}, sglang {ENGINE_VERSIONS['sglang']}, pinned, "
+        "under Triton's interpreter in float32;",
+        "`suites/bug_record/plants_engines.py`): the metadata builder, the CUDA-graph padding, the prefix-cache",
+        f"copies, the accept step; each caught and located by `{ENGINE_FILE}` ({engine_seconds:.0f} s), named in",
+        "the check column.",
         "",
         "The fidelity column says how close each plant is to its upstream report, as the registry states it:",
         "*faithful* (the upstream mechanism where it lived; where that was an engine or a trainer, in the",
@@ -215,7 +252,7 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
         "itself: its kernel test).",
         "",
         f"Generated on {date} at commit {commit} by `{COMMAND}` (the record's run took {seconds:.0f} s, the",
-        f"kernel tests' {kernel_seconds:.0f} s, on this page's machine, every check and reference included).",
+        f"kernel tests' {kernel_seconds:.0f} s, the engine plants' {engine_seconds:.0f} s, on this page's machine, every check and reference included).",
         "Do not edit by hand.",
         "",
         "| # | bug | upstream report | class | check | runs | fidelity | caught | time to catch | located by |",
@@ -244,6 +281,7 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
             elif row["outcome"] == "caught":
                 where += " (the plant applied in the test; the unplanted kernel passes)"
             where += f"; {_cell(_gpu_cell(b, gpu_rows, gpu_run))}"
+        check += _cell(_engine_cell(b, engine_cases))
         fidelity = f"*{b.fidelity}*" + (f": {_cell(b.fidelity_note)}" if b.fidelity_note else "")
         lines.append(f"| {b.row} | **{b.key}**: {_cell(b.mechanism)} | {reports} | {_cell(b.bug_class)} | "
                      f"{_cell(check)} | {b.runs} | {fidelity} | {verdict} | {took} | {where} |")
@@ -325,16 +363,24 @@ def main() -> None:
         xml_path, kernel_xml = Path(tmp) / "record.xml", Path(tmp) / "kernel.xml"
         _, seconds = run_record(xml_path)
         rows = outcomes(xml_path)
-        kernel_seconds = run_kernel_tests(kernel_xml)
+        kernel_seconds = run_tests([b.kernel_test for b in BUGS if b.suite == "fla-interpret"], kernel_xml,
+                                   "kernel tests")
         if kernel_seconds:
             rows.update(kernel_outcomes(kernel_xml))
+        engine_xml = Path(tmp) / "engines.xml"
+        engine_seconds = run_tests([t for b in BUGS for t in b.engine_tests], engine_xml, "engine plants")
+        engine_cases = test_outcomes(engine_xml) if engine_seconds else {}
     gpu = gpu_outcomes()
     rows.update(gpu_only_outcomes(gpu))
     missing = [b.key for b in BUGS if b.key not in rows]
+    unnamed = [t for b in BUGS for t in b.engine_tests if engine_cases.get(t, {}).get("outcome") != "passed"]
+    if unnamed:
+        raise SystemExit(f"every engine plant must be caught (its test passing); not: {unnamed}")
     if missing or any(r["outcome"] in ("failed", "skipped", "not run") for r in rows.values()):
         raise SystemExit(f"every entry must be caught, a strict xfail or live; not run: {missing}; rows: {rows}")
     date, fla = datetime.date.today().isoformat(), pinned_fla()
-    (ROOT / "docs" / "bugs.md").write_text(render(rows, seconds, date, _commit(), gpu, kernel_seconds, fla))
+    (ROOT / "docs" / "bugs.md").write_text(render(rows, seconds, date, _commit(), gpu, kernel_seconds, fla,
+                                                         (engine_cases, engine_seconds)))
     caught = sum(r["outcome"] == "caught" for r in rows.values())
     live = sum(r["outcome"] == "live" for r in rows.values())
     counted = {k for k, r in rows.items() if r["outcome"] in ("caught", "live")}

@@ -1,7 +1,9 @@
 """The engines' own GDN and KDA serving kernels through the serving checks, under Triton's
 interpreter in float32, against linattn's replicated float64 layer (float32 bound 1e-5).
 `assert_state_pool_parity`: prefill calls of chunks from the slots (a fresh sequence from zero),
-decode calls padded to a captured size, slots freed and reused, a spare pool and a full one.
+decode calls padded to a captured size, slots freed and reused, a spare pool and a full one;
+in prefix mode (vLLM's align-mode copies around its kernels) snapshots at block boundaries and
+prefix hits.
 `assert_spec_decode_parity`: verify calls of the last accepted token and 2 drafts, 0 to 2 of
 them accepted.
 
@@ -76,6 +78,28 @@ def test_vllm_gdn_pool_at_tp2(spawn):
     from clients.engines.vllm_gdn import vllm_pool_path
 
     check(spawn, vllm_pool_path(CONFIG), "vllm-gdn-tp2", placements=(Placement(tp=2),))
+
+
+def prefix_check(spawn, path, name):
+    """The pool check in prefix mode, at the record's prefix plans (bug_record.checks): blocks of 4
+    tokens, sequence 1 hitting sequence 0's first 8 with a 2-token chunk (< W-1), sequence 2 its
+    first 4."""
+    from bug_record.checks import PREFIX_BLOCK, PREFIX_CU, PREFIX_HITS, PREFIX_PLANS
+    from clients.engines.layout import engine_reference_forward
+
+    assert_state_pool_parity(spawn, path, replicated_layer(CONFIG, 41), [Placement()], PREFIX_CU, plans=PREFIX_PLANS,
+                             hidden_size=CONFIG.hidden_size, seed=42, rtol=RTOL, max_live=2,
+                             capture_sizes=CAPTURE_SIZES, block_size=PREFIX_BLOCK, prefix_hits=PREFIX_HITS,
+                             dtype=torch.float32, reference_forward=engine_reference_forward, name=name)
+
+
+@needs(VLLM)
+def test_vllm_gdn_prefix_caching_matches_the_float64_layer(spawn):
+    """vLLM's align mode around its kernels (`vllm_prefix_prefill`): a hit's state copied into the
+    block it writes, the kernels in place there, the block-boundary states kept."""
+    from clients.engines.vllm_gdn import vllm_pool_path, vllm_prefix_prefill
+
+    prefix_check(spawn, vllm_pool_path(CONFIG, prefill=vllm_prefix_prefill), "vllm-gdn-prefix")
 
 
 @needs(VLLM)

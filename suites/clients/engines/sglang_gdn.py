@@ -198,10 +198,10 @@ def sglang_accept(module, pool, slots, num_accepted_tokens, placement):
     module.verify_buffers = None
 
 
-def sglang_spec_path(config) -> SpecDecodePath:
+def sglang_spec_path(config, accept=sglang_accept) -> SpecDecodePath:
     """SglangGDN with sglang's target_verify and accept (a slot per sequence, the last accepted
-    token first in every verify call)."""
+    token first in every verify call; a planted bug replaces accept)."""
     layer = dataclasses.replace(linattn_layer(config), build=functools.partial(_build, config, "recurrent",
                                                                                  "fused_sigmoid_gating"))
-    return SpecDecodePath(layer, prefill=sglang_pool_prefill, verify=sglang_verify, accept=sglang_accept,
+    return SpecDecodePath(layer, prefill=sglang_pool_prefill, verify=sglang_verify, accept=accept,
                           bonus_token=True)

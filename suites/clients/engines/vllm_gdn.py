@@ -41,7 +41,7 @@ from linattn.layers import GatedDeltaNet, LayerState
 from pytest_linattn.harness import SpecDecodePath, StatePoolPath
 
 __all__ = ["VllmGDN", "conv_metadata", "spec_reference_forward", "vllm_pool_decode", "vllm_pool_path",
-           "vllm_pool_prefill", "vllm_row_prefill", "vllm_row_state", "vllm_row_verify", "vllm_short_conv",
+           "vllm_pool_prefill", "vllm_prefix_prefill", "vllm_row_prefill", "vllm_row_state", "vllm_row_verify", "vllm_short_conv",
            "vllm_spec_path"]
 
 FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
@@ -147,6 +147,23 @@ def vllm_pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
                           has_initial_state=~fresh.to(slots.device))
 
 
+def vllm_prefix_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots, prefix_slots):
+    """Prefix caching as vLLM's align mode runs it around the same kernels (a sequence's state in the
+    block of its last computed token, chunks ending on block boundaries): before the forward a prefix
+    hit's state is copied from the prefix block into the block it writes (`precopy_mamba_align_fused_kernel`,
+    vllm/v1/worker/mamba_utils.py:549-620: "so the kernels read the initial state from the
+    write-side block"), the kernels run in place there (`vllm_pool_prefill`), and the state at a
+    block boundary is kept as that block's (here copied to the snapshot slot the check names)."""
+    hit = prefix_slots >= 0
+    for f in pool:
+        f[slots[hit]] = f[prefix_slots[hit]]
+    y = vllm_pool_prefill(module, x, cu_seqlens, pool, slots, fresh & ~hit.to(fresh.device), placement)
+    taken = snapshot_slots >= 0
+    for f in pool:
+        f[snapshot_slots[taken]] = f[slots[taken]]
+    return y
+
+
 def vllm_pool_decode(module, x, pool, slots, num_valid, placement):
     """Every row of the padded batch in one call, one token each; padding rows at the null block."""
     return call_with_pool(module, x, torch.arange(x.shape[1] + 1, dtype=torch.int32),
@@ -226,14 +243,14 @@ def vllm_row_state(module, pool, slots, placement):
     return LayerState(conv, pool.recurrent[current_slots(slots, accepted)])
 
 
-def vllm_spec_path(config, num_draft) -> SpecDecodePath:
+def vllm_spec_path(config, num_draft, accept=row_accept) -> SpecDecodePath:
     """VllmGDN (VllmKDA for a KDA config) with vLLM's speculative decoding: a bonus token and
     num_draft drafts per verify call, a row of 1 + num_draft slots per sequence; accept keeps
-    num_accepted_tokens for the next call."""
+    num_accepted_tokens for the next call (a planted bug replaces it)."""
     if config.op == "kda":
         from clients.engines.vllm_kda import _build as build
     else:
         build = _build
     layer = dataclasses.replace(linattn_layer(config), build=functools.partial(build, config))
-    return SpecDecodePath(layer, prefill=vllm_row_prefill, verify=vllm_row_verify, accept=row_accept,
+    return SpecDecodePath(layer, prefill=vllm_row_prefill, verify=vllm_row_verify, accept=accept,
                           bonus_token=True, slots_per_sequence=1 + num_draft, read_state=vllm_row_state)

@@ -104,6 +104,7 @@ def test_registry_entries_are_complete():
         assert b.check in checks.CHECKS, b.key
         assert b.runs in ("sharded", "stateful", "trainer", "everywhere", "kernel"), b.key
         assert b.reports and all(r.url.startswith("https://github.com/") for r in b.reports), b.key
+        _assert_engine_tests(b)
         if b.suite != "cpu":  # a kernel row: caught and located by its kernel test
             _assert_kernel_row(b)
             continue
@@ -129,6 +130,26 @@ def _strict_xfail_reason(function: ast.FunctionDef) -> str | None:
             if isinstance(strict, ast.Constant) and strict.value is True and isinstance(reason, ast.Constant):
                 return str(reason.value)
     return None
+
+
+ENGINE_PLANTS = ROOT / "suites/engines/test_record_on_engines.py"
+
+
+def _assert_engine_tests(b: Bug) -> None:
+    """An entry's engine plants are test functions of the engines suite's record file, none an xfail
+    (a plant on the engines' kernels is caught there, or the entry does not name it)."""
+    functions = _test_functions(ENGINE_PLANTS)
+    for test in b.engine_tests:
+        file, _, function = test.partition("::")
+        assert ROOT / file == ENGINE_PLANTS, f"{b.key}: engine test {test!r} is not in {ENGINE_PLANTS.relative_to(ROOT)}"
+        assert function in functions, f"{b.key}: {file} has no test function {function!r}"
+        assert _strict_xfail_reason(functions[function]) is None, f"{b.key}: {test} is an xfail"
+
+
+def test_every_engine_plant_is_an_entry_s():
+    # a plant on the engines' kernels counts only as a registry entry's catch: none is left unnamed
+    named = {t.partition("::")[2] for b in BUGS for t in b.engine_tests}
+    assert set(_test_functions(ENGINE_PLANTS)) == named
 
 
 def _assert_kernel_row(b: Bug) -> None:
