@@ -14,6 +14,7 @@ Cases (each in bf16 and in float32 where the engine takes float32):
 - vLLM GDN pool: causal_conv1d_fn / causal_conv1d_update on the conv pool, the chunked prefill
   from the gathered slots, decode on fused_sigmoid_gating_delta_rule_update or the decode-only
   fused_recurrent_gated_delta_rule_packed_decode; slot 0 the null block, padding rows at it;
+- vLLM GDN prefix caching: the align mode's copies around the same kernels (snapshots, hits);
 - vLLM KDA pool: chunk_kda_with_fused_gate, fused_recurrent_kda_packed_decode;
 - vLLM GDN and KDA speculative decoding: `[N, 1 + K]` slot rows and num_accepted_tokens;
 - sglang GDN pool: causal_conv1d_fn, prefill on fused_recurrent_gated_delta_rule_update or the
@@ -143,6 +144,26 @@ def test_vllm_gdn_pool_matches_the_float64_layer(spawn, decode_kernel, dtype):
     from clients.engines.vllm_gdn import vllm_pool_path
 
     check_pool(spawn, vllm_pool_path(CONFIG, decode_kernel), f"vllm-gdn-{decode_kernel}", dtype)
+
+
+# prefix mode: blocks of 16 tokens; sequence 0 snapshots at 16 and 32, sequence 1 hits its first 32
+# and runs a 2-token chunk (< W-1), sequence 2 hits its first 16
+PREFIX_CU = torch.tensor([0, 40, 34, 20]).cumsum(0).to(torch.int32)
+PREFIX_PLANS = [SequencePlan((16, 16, 8), 3), SequencePlan((2,), 2), SequencePlan((4,), 2)]
+PREFIX_HITS = {1: (0, 32), 2: (0, 16)}
+
+
+@needs(VLLM)
+@pytest.mark.parametrize("dtype", dtypes(VLLM_GDN_F32))
+def test_vllm_gdn_prefix_caching_matches_the_float64_layer(spawn, dtype):
+    """vLLM's align-mode copies around its kernels (`vllm_prefix_prefill`), the prefix mode's snapshots and hits."""
+    from clients.engines.vllm_gdn import vllm_pool_path, vllm_prefix_prefill
+
+    assert_state_pool_parity(spawn, vllm_pool_path(CONFIG, prefill=vllm_prefix_prefill), reference(CONFIG, dtype),
+                             [Placement()], PREFIX_CU, plans=PREFIX_PLANS, hidden_size=CONFIG.hidden_size, seed=42,
+                             rtol=rtol(CONFIG, dtype), max_live=2, capture_sizes=CAPTURE_SIZES, block_size=16,
+                             prefix_hits=PREFIX_HITS, dtype=DTYPES[dtype], reference_forward=engine_reference_forward,
+                             name=f"vllm-gdn-prefix-{dtype}")
 
 
 @needs(VLLM)
