@@ -27,7 +27,8 @@ Cases (each in bf16 and in float32 where the engine takes float32):
 Bounds (relative Frobenius error per tensor, as every check of the harness):
 - bf16: BF16_RTOL (cases.gpu), the bound of the fla serving and spec-decode GPU tests: the same
   check (every token's output, every final state, untouched slots bitwise) of bf16 kernels on a
-  bf16 pool against the float64 layer on the same bf16 weights;
+  bf16 pool against the float64 layer on the same bf16 weights; KDA's tokens KDA_BF16_RTOL (below:
+  measured on every bf16 path, fla's and torch's too);
 - float32, GDN paths: F32_RTOL = 1e-5, the engines suite's bound: no kernel on these paths
   (the convs, fused_recurrent*, fused_sigmoid_gating*) has a tl.dot, so compiled they compute
   in float32 throughout, as interpreted;
@@ -88,18 +89,19 @@ SGLANG_CHUNK_F32 = ("sglang 0.5.23's chunk_gated_delta_rule refuses float32 (ker
                     "its chunked prefill runs bf16 only")
 
 
-# Measured on an H100 (2026-12-06), not yet located: a kernel defect or a bf16 outlier beyond the bound
-VLLM_KDA_BF16 = ("vLLM 0.33.0's KDA prefill in bf16 (models/kimi_k3/nvidia/ops/third_party/kda/chunk.py "
-                 "chunk_kda_with_fused_gate): one token of a fresh 30-token chunk off, 4.0e-2 (pool) and 2.1e-2 (spec) "
-                 "of the tokens' RMS against 2e-2, every state within 5.0e-3; float32 within 3.8e-5. Not yet located")
+# KDA in bf16: a few tokens of a fresh sequence are off by up to 3e-2 of the tokens' RMS on every
+# bf16 path, not on vLLM's alone (suites/bench/engine_kda_bf16.py on an H100, 2026-12-06, 24 seeds x
+# 115 tokens: worst token 3.24e-2 vLLM's chunk_kda_with_fused_gate, 3.10e-2 fla's chunk_kda, 2.87e-2
+# torch's kernels; the recurrence's output before the gated norm 2.33e-2 / 2.05e-2 / 1.36e-2: the
+# per-head norm amplifies a token whose output is small). vLLM's kernel measured 4.0e-2 on one token
+# of this file's schedule: per token, KDA's bf16 bound is 5e-2; its states stay within 5.0e-3
+KDA_BF16_RTOL = 5e-2
 
 
-def dtypes(float32_refused=None, bf16_fails=None):
-    """bf16, and float32 unless the engine refuses it (then a skip that says why); bf16_fails: a
-    measured failure not yet located (a strict xfail that says what was seen)."""
+def dtypes(float32_refused=None):
+    """bf16, and float32 unless the engine refuses it (then a skip that says why)."""
     marks = [pytest.mark.skip(reason=float32_refused)] if float32_refused else []
-    bf16 = [pytest.mark.xfail(strict=True, raises=AssertionError, reason=bf16_fails)] if bf16_fails else []
-    return [pytest.param("bf16", id="bf16", marks=bf16), pytest.param("float32", id="float32", marks=marks)]
+    return [pytest.param("bf16", id="bf16"), pytest.param("float32", id="float32", marks=marks)]
 
 
 def needs(release):
@@ -112,7 +114,7 @@ def needs(release):
 
 def rtol(config, dtype):
     if dtype == "bf16":
-        return BF16_RTOL
+        return KDA_BF16_RTOL if config.op == "kda" else BF16_RTOL
     return TF32_RTOL if config.op == "kda" else F32_RTOL
 
 
@@ -148,7 +150,7 @@ def test_vllm_gdn_pool_matches_the_float64_layer(spawn, decode_kernel, dtype):
 
 # prefix mode: blocks of 16 tokens; sequence 0 snapshots at 16 and 32, sequence 1 hits its first 32
 # and runs a 2-token chunk (< W-1), sequence 2 hits its first 16
-PREFIX_CU = torch.tensor([0, 40, 34, 20]).cumsum(0).to(torch.int32)
+PREFIX_CU = torch.tensor([0, 43, 36, 22]).cumsum(0).to(torch.int32)  # chunks (a hit's prefix too), decode steps
 PREFIX_PLANS = [SequencePlan((16, 16, 8), 3), SequencePlan((2,), 2), SequencePlan((4,), 2)]
 PREFIX_HITS = {1: (0, 32), 2: (0, 16)}
 
@@ -167,7 +169,7 @@ def test_vllm_gdn_prefix_caching_matches_the_float64_layer(spawn, dtype):
 
 
 @needs(VLLM)
-@pytest.mark.parametrize("dtype", dtypes(bf16_fails=VLLM_KDA_BF16))
+@pytest.mark.parametrize("dtype", dtypes())
 def test_vllm_kda_pool_matches_the_float64_layer(spawn, dtype):
     from clients.engines.vllm_kda import vllm_kda_pool_path
 
@@ -178,7 +180,7 @@ def test_vllm_kda_pool_matches_the_float64_layer(spawn, dtype):
 @pytest.mark.parametrize("op, dtype", [pytest.param("gdn", *p.values, id=f"gdn-{p.id}", marks=p.marks)
                                        for p in dtypes(VLLM_GDN_F32)]
                          + [pytest.param("kda", *p.values, id=f"kda-{p.id}", marks=p.marks)
-                            for p in dtypes(bf16_fails=VLLM_KDA_BF16)])
+                            for p in dtypes()])
 def test_vllm_spec_decode_matches_the_serial_run(spawn, op, dtype):
     from clients.engines.vllm_gdn import spec_reference_forward, vllm_spec_path
 
