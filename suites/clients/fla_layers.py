@@ -281,8 +281,9 @@ def fla_decode(module, x, state, placement):
     return y.transpose(0, 1), state
 
 
-def build_fla_cached(kind, options, placement, groups, dtype, device):
-    layer = GatedDeltaNet(**GDN_SIZES, **options) if kind == "gdn" else KimiDeltaAttention(**SIZES, **options)
+def build_fla_cached(kind, options, placement, groups, dtype, device, sizes=None):
+    sizes = sizes or (GDN_SIZES if kind == "gdn" else SIZES)
+    layer = GatedDeltaNet(**sizes, **options) if kind == "gdn" else KimiDeltaAttention(**sizes, **options)
     layer.layer_idx = 0
     return layer.to(device, dtype).eval()
 
@@ -295,13 +296,15 @@ def first_rank_grads(grads, placement):
     return grads[0]
 
 
-def fla_state_path(kind, *, differentiable=True, **options):
+def fla_state_path(kind, *, differentiable=True, sizes=None, **options):
     """fla's own layer (replicated) with fla's cache, as the harness's StatePath. differentiable:
     under grad fla's layers always run the chunk kernels; without (an inference loop, eval mode)
-    they run fused_recurrent for calls of at most 64 tokens and the conv's decode step."""
+    they run fused_recurrent for calls of at most 64 tokens and the conv's decode step. sizes:
+    the layer's constructor sizes (default SIZES, GDN_SIZES for "gdn")."""
     from pytest_linattn import StatePath
 
-    layer = ShardedLayer(functools.partial(build_fla_cached, kind, options), same_weights, first_rank_grads)
+    layer = ShardedLayer(functools.partial(build_fla_cached, kind, options, sizes=sizes), same_weights,
+                         first_rank_grads)
     return StatePath(layer, prefill=fla_prefill, decode=fla_decode, differentiable=differentiable)
 
 
