@@ -32,6 +32,10 @@ pytest:
     long_decode          many decode steps in the ranks' dtype: the state's dtype contract and
                          its error growth against the float64 serial run (`assert_long_decode_parity`;
                          the per-step errors it judges: `long_decode_errors`)
+    state_handoff        prefill at one TP size, decode at another: each sequence's state handed
+                         between the placements' ranks, the handed-off state located by rank,
+                         sequence, field and head (`StateHandoffPath`, `assert_state_handoff_parity`)
+    state_handoff_rank   ... and what each rank runs
 """
 
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
@@ -42,12 +46,14 @@ from .padded import PaddedStatePath, assert_padded_continuation_parity
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
 from .spec_decode import SpecDecodePath, SpecPlan, assert_spec_decode_parity
+from .state_handoff import StateHandoffPath, assert_state_handoff_parity
 from .state_pool import StatePoolPath, assert_state_pool_parity
 from .training_step import assert_training_parity
 
 __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StateInvisibleWarning", "StatePath",
            "StatePoolPath", "assert_state_pool_parity", "SpecDecodePath", "SpecPlan", "assert_spec_decode_parity",
            "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
-           "long_decode_errors", "PackedDocuments", "assert_document_isolation",
+           "long_decode_errors", "PackedDocuments", "assert_document_isolation", "StateHandoffPath",
+           "assert_state_handoff_parity",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

@@ -11,7 +11,9 @@ check keeps of them between calls keeps those dtypes.
 The calls run in order: prefill call k packs the k-th chunk of every sequence that has one (its
 first chunk marked fresh: it starts from zero, whatever its slot holds), then verify round r runs
 K tokens of every sequence that has a round r: the sequence's next j tokens (accepted), then
-K - j random drafts (rejected). The client's verify
+K - j random drafts (rejected). A plan's `drafts` gives a sequence its own number of drafts per
+round (a mixed call: rows that drafted nothing run beside rows that did, as an engine batches
+them; each row's live state wherever the client keeps it). The client's verify
 computes all K tokens from the slot's state; its accept then gets `num_accepted_tokens` `[N]` and
 must leave each slot holding the state after the sequence's j-th accepted token (j = 0: the state
 before the call), as vLLM's and fla's `num_accepted_tokens` interface does.
@@ -67,10 +69,14 @@ MAX_LISTED = 8  # failures listed per kind; the first (earliest call) is where i
 @dataclasses.dataclass(frozen=True)
 class SpecPlan:
     """One sequence: prefill chunk lengths in order, then one verify round per entry of
-    `accepted`, each accepting that many of its K drafts (0..K)."""
+    `accepted`, each accepting that many of its drafts. `drafts`: the drafts of each round (default
+    None: K, the check's num_draft, every round); a round of 0 drafts (the draft model proposed
+    nothing: the row runs its bonus token only, with `bonus_token`) in a call whose other rows
+    have drafts is a mixed verify call."""
 
     chunks: tuple[int, ...]
     accepted: tuple[int, ...]
+    drafts: tuple[int, ...] | None = None
 
     def __post_init__(self):
         if not self.chunks or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in self.chunks):
@@ -78,13 +84,28 @@ class SpecPlan:
         if any(isinstance(j, bool) or not isinstance(j, int) or j < 0 for j in self.accepted):
             raise ValueError(f"SpecPlan.accepted must be ints >= 0 (drafts accepted per verify round), "
                              f"got {self.accepted!r}")
+        if self.drafts is not None:
+            drafts = tuple(self.drafts)
+            if (len(drafts) != len(self.accepted)
+                    or any(isinstance(d, bool) or not isinstance(d, int) or d < 0 for d in drafts)):
+                raise ValueError(f"SpecPlan.drafts must be ints >= 0, one per verify round ({len(self.accepted)}), "
+                                 f"got {self.drafts!r}")
+            if any(j > d for j, d in zip(self.accepted, drafts)):
+                raise ValueError(f"SpecPlan.accepted must not exceed the round's drafts: accepted "
+                                 f"{list(self.accepted)}, drafts {list(drafts)}")
+            object.__setattr__(self, "drafts", drafts)
+
+    def drafts_of(self, round_: int, num_draft: int) -> int:
+        """The drafts of verify round `round_` (0-based)."""
+        return num_draft if self.drafts is None else self.drafts[round_]
 
     @property
     def length(self) -> int:
         return sum(self.chunks) + sum(self.accepted)
 
     def __str__(self) -> str:
-        return f"chunks {'+'.join(map(str, self.chunks))}, then verify rounds accepting {list(self.accepted)}"
+        drafts = "" if self.drafts is None else f" of drafts {list(self.drafts)}"
+        return f"chunks {'+'.join(map(str, self.chunks))}, then verify rounds accepting {list(self.accepted)}{drafts}"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +118,8 @@ class SpecDecodePath:
         CP: this CP rank's piece of the call's tokens, the rest whole).
     verify(module, x, cu_seqlens, pool, slots, placement) -> y
         K tokens (1 + K with bonus_token) of each of N sequences, packed `[1, N*K, hidden]`
-        (cu_seqlens every K), each from its slot's state; returns every token's output. It may
+        (cu_seqlens every K; a plan's `drafts` makes them differ per row: a mixed call, rows of 0
+        drafts running the bonus token alone), each from its slot's state; returns every token's output. It may
         keep what accept needs (per-token states, on the module or in spare slots) but must
         change no slot other than `slots`.
     accept(module, pool, slots, num_accepted_tokens, placement) -> None
@@ -166,6 +188,11 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     for n, pl in enumerate(plans):
         if any(j > num_draft for j in pl.accepted):
             raise ValueError(f"plans[{n}].accepted must lie in 0..num_draft ({num_draft}), got {list(pl.accepted)}")
+        if pl.drafts is not None and any(d > num_draft for d in pl.drafts):
+            raise ValueError(f"plans[{n}].drafts must lie in 0..num_draft ({num_draft}), got {list(pl.drafts)}")
+        if pl.drafts is not None and 0 in pl.drafts and not path.bonus_token:
+            raise ValueError(f"plans[{n}].drafts has a round of 0 drafts, which runs no token without the path's "
+                             f"bonus_token (a row of 0 drafts runs its bonus token alone)")
     placements = check_pool_placements(placements, path, "the spec-decode mode")
 
     gen = torch.Generator().manual_seed(seed)
@@ -191,6 +218,7 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
     calls = spec_schedule(plans, bounds, x, num_draft, gen, bonus_token=path.bonus_token,
                           slots_per_sequence=path.slots_per_sequence)
+    K = (num_draft, int(path.bonus_token))  # how a call's rows are described
     expected = [_expected(forward, reference, call, bounds, serial_y, serial_states, probe) for call in calls]
     label = f"{name}/" if name else ""
     reports = []
@@ -199,7 +227,7 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
         case = RankSpec(path, p, {k: t.detach() for k, t in reference.named_parameters()}, pool, placed, dtype,
                         field_names(probe))
         results = spawn(run_spec_on_rank, p.size, case)
-        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, placed, expected, results, rtol, num_draft,
+        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, placed, expected, results, rtol, K,
                         field_names(probe))
         if report:
             reports.append(report)
@@ -251,13 +279,14 @@ def spec_schedule(plans, bounds, x, num_draft, gen, *, bonus_token=False, slots_
             consumed[n] += s
     for r in range(max((len(pl.accepted) for pl in plans), default=0)):
         seqs = [n for n in range(N) if r < len(plans[n].accepted)]
-        parts = []
+        parts, sizes = [], []
         for n in seqs:
-            j = plans[n].accepted[r]
+            j, d = plans[n].accepted[r], plans[n].drafts_of(r, K)
             start = bounds[n] + consumed[n]
-            parts += [x[:, start:start + b + j], torch.randn(1, K - j, x.shape[2], generator=gen, dtype=torch.float64)]
+            parts += [x[:, start:start + b + j], torch.randn(1, d - j, x.shape[2], generator=gen, dtype=torch.float64)]
+            sizes.append(b + d)
         calls.append(SpecCall("verify", r, tuple(seqs), tuple(slot[n] for n in seqs), torch.cat(parts, dim=1),
-                              _cu([b + K] * len(seqs)), None, tuple(b + plans[n].accepted[r] for n in seqs),
+                              _cu(sizes), None, tuple(b + plans[n].accepted[r] for n in seqs),
                               tuple(consumed[n] for n in seqs)))
         for n in seqs:
             consumed[n] += b + plans[n].accepted[r]
@@ -289,17 +318,21 @@ def _expected(forward, reference, call, bounds, serial_y, serial_states, probe):
 
 
 def _describe_call(i, call, K) -> str:
+    """K: (num_draft, 1 with a bonus token else 0)."""
     if call.kind == "prefill":
         return (f"call {i} (prefill chunk {call.index + 1} of sequences {list(call.sequences)} in slots "
                 f"{list(call.slots)})")
-    b = _bonus(call, K)
-    return (f"call {i} (verify round {call.index + 1}: {'the next token and ' if b else ''}{K} drafts each of "
+    num_draft, b = K
+    drafts = _drafts(call, K)
+    said = (f"{num_draft} drafts each" if set(drafts) == {num_draft} else f"drafts {drafts} (mixed)"
+            if 0 in drafts else f"drafts {drafts}")
+    return (f"call {i} (verify round {call.index + 1}: {'the next token and ' if b else ''}{said} of "
             f"sequences {list(call.sequences)} in slots {list(call.slots)}, accepted {[a - b for a in call.accepted]})")
 
 
-def _bonus(call, K) -> int:
-    """1 where a verify call's first token is a bonus token (1 + K tokens per sequence), else 0."""
-    return int(call.cu_seqlens[1] - call.cu_seqlens[0]) - K
+def _drafts(call, K) -> list[int]:
+    """Each row's drafts in a verify call: its tokens less the bonus token."""
+    return [int(n) - K[1] for n in call.cu_seqlens.diff().tolist()]
 
 
 def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> str:
@@ -322,7 +355,8 @@ def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> s
                     pos = bad[0]
                     kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
                     what = (f"token {start + pos}" if pos < kept else
-                            f"draft {pos + 1 - _bonus(call, K)} of {K} (rejected; after token {start + kept - 1})")
+                            f"draft {pos + 1 - K[1]} of {cu[k + 1] - cu[k] - K[1]} (rejected; after token "
+                            f"{start + kept - 1})")
                     outputs.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), {what}: "
                                    f"output error {float(err[cu[k] + pos]):.1e} of the tokens' RMS norm"
                                    + rank_note(p, t_rank, c, call.kind == "verify"))
@@ -336,7 +370,8 @@ def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> s
                         float(torch.linalg.vector_norm(e[k])) or 1.0)
                     if not err <= rtol:
                         after = f"after token {start + kept - 1}" if start + kept else "before its first token (zeros)"
-                        how = "" if call.kind == "prefill" else f", {kept - _bonus(call, K)} of {K} drafts accepted"
+                        how = ("" if call.kind == "prefill" else
+                               f", {kept - K[1]} of {cu[k + 1] - cu[k] - K[1]} drafts accepted")
                         states.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), state "
                                       f"{after}{how}: field {field} error {err:.1e}"
                                       + (f" (cp_rank{c})" if p.cp > 1 else ""))

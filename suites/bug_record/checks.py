@@ -23,6 +23,9 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    hits (one with a 2-token chunk, shorter than W-1), snapshots and shared blocks checked
     spec-decode    assert_spec_decode_parity at TP 2: the slot-pool client with verify and accept
                    (suites/clients/spec_decode.py), 3 drafts per verify call, 0..3 accepted
+    spec-decode-mixed  assert_spec_decode_parity at TP 2 in vLLM's layout (a bonus token, rows of 1 + K
+                   slots, suites/clients/spec_decode.py's row client), K = 2, verify calls mixing rows
+                   that drafted nothing with rows that did
     long-decode    assert_long_decode_parity at TP 1, float32 ranks: 2 sequences, a 5-token
                    prefill, 32 decode steps (the state-dtype rule and the error bound)
     padded         assert_padded_continuation_parity at TP 2: the padded-batch client
@@ -61,7 +64,7 @@ from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, TrainingS
                                     assert_spec_decode_parity, assert_state_pool_parity, assert_training_parity)
 from pytest_linattn.harness.long_decode import assert_long_decode_parity
 from pytest_linattn.parity import assert_parity
-from clients.spec_decode import linattn_spec_path
+from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
 from clients.state_pool import linattn_pool_path
 
 CONFIG = make_config("qwen3_5", 2)
@@ -88,6 +91,11 @@ PREFIX_BLOCK = 4
 # verify rounds of 3 drafts: every round mixes 0 < j < 3 with j = 3 (where keeping every draft is right)
 SPEC_PLANS = (SpecPlan((1, 5), (2, 3)), SpecPlan((4,), (3, 1)), SpecPlan((6,), (0, 2)), SpecPlan((3,), (1, 0)))
 SPEC_DRAFTS = 3
+# mixed verify calls, K = 2 and a bonus token: round 1 sequence 2 drafted nothing, round 2 sequence
+# 0 drafted nothing after accepting both drafts of round 1 (its state in column 2, not 0)
+SPEC_MIXED_PLANS = (SpecPlan((3,), (2, 0, 1), drafts=(2, 0, 2)), SpecPlan((1, 2), (1, 2, 0)),
+                    SpecPlan((2,), (0, 1, 2), drafts=(0, 2, 2)))
+SPEC_MIXED_DRAFTS = 2
 LONG_DECODE_STEPS = 32  # a bf16 state fails the dtype rule at step 1, the error bound within a few steps
 # left padded: row 1's 5 pads fill call 0 and straddle into call 1, row 3's 7 pads span calls 0..2
 PADDED_SEQLENS = (7, 3, 5, 1)
@@ -110,6 +118,8 @@ CHECKS = {
     "state-pool": "state pool (`assert_state_pool_parity`, TP 2, slots reused, decode padded to 4 rows)",
     "state-pool-prefix": "state pool, prefix mode (`assert_state_pool_parity`, TP 2, blocks of 4, 2 prefix hits)",
     "spec-decode": "speculative decoding (`assert_spec_decode_parity`, TP 2, 3 drafts, 0..3 accepted)",
+    "spec-decode-mixed": "speculative decoding, mixed calls (`assert_spec_decode_parity`, TP 2, vLLM's layout, rows "
+                         "that drafted nothing beside rows that did)",
     "long-decode": "long decode (`assert_long_decode_parity`, float32, 32 steps, state dtype >= float32)",
     "recompute": "TP parity under activation recompute (`assert_sharded_parity(recompute='non-reentrant')`, TP 2)",
     "isolation": "document isolation (`assert_document_isolation`, a decoder stack fed position_ids only)",
@@ -203,6 +213,12 @@ def spec_decode(spawn, path=None):
     assert_spec_decode_parity(spawn, path or linattn_spec_path(CONFIG), reference(), [Placement(tp=2)], SPEC_PLANS,
                               num_draft=SPEC_DRAFTS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
                               name="record")
+
+
+def spec_decode_mixed(spawn, path=None):
+    assert_spec_decode_parity(spawn, path or linattn_row_spec_path(CONFIG, SPEC_MIXED_DRAFTS), reference(),
+                              [Placement(tp=2)], SPEC_MIXED_PLANS, num_draft=SPEC_MIXED_DRAFTS,
+                              hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
 
 
 def long_decode(spawn, path=None):
@@ -305,6 +321,8 @@ def run(spawn, check, subject=None):
         return state_pool_prefix(spawn, subject)
     if check == "spec-decode":
         return spec_decode(spawn, subject)
+    if check == "spec-decode-mixed":
+        return spec_decode_mixed(spawn, subject)
     if check == "long-decode":
         return long_decode(spawn, subject)
     if check == "padded":

@@ -12,12 +12,14 @@ import torch
 
 from clients.engines.layout import call_with_pool
 from clients.engines.sglang_gdn import sglang_pool_decode
-from clients.engines.vllm_gdn import NULL_BLOCK_ID, vllm_pool_decode, vllm_pool_prefill, vllm_prefix_prefill
+from clients.engines.vllm_gdn import (NULL_BLOCK_ID, vllm_pool_decode, vllm_pool_prefill, vllm_prefix_prefill,
+                                     vllm_row_verify)
 from clients.spec_decode import num_accepted
 
 __all__ = ["sglang_accept_keeping_rejected_drafts", "sglang_decode_padding_clamped_to_slot_0",
            "vllm_accept_keeping_rejected_drafts", "vllm_decode_padding_from_stale_rows",
-           "vllm_prefill_1_token_chunks_as_decodes", "vllm_prefix_short_chunk_in_the_prefix_block"]
+           "vllm_prefill_1_token_chunks_as_decodes", "vllm_prefix_short_chunk_in_the_prefix_block",
+           "vllm_verify_undrafted_rows_on_the_non_spec_path"]
 
 
 def vllm_prefill_1_token_chunks_as_decodes(module, x, cu_seqlens, pool, slots, fresh, placement):
@@ -86,6 +88,30 @@ def vllm_accept_keeping_rejected_drafts(module, pool, slots, num_accepted_tokens
     state after every draft (the row's last slot), the rejected ones included."""
     num_accepted(module, pool, slots)
     module.accepted[slots[:, 0]] = slots.shape[1]
+
+
+def vllm_verify_undrafted_rows_on_the_non_spec_path(module, x, cu_seqlens, pool, slots, placement):
+    """vLLM #56531 in vLLM's metadata builder (before the fix that 0.33.0 has, gdn_attn.py:340-348:
+    "A batch whose rows all drafted nothing still has to run the speculative path"): a row that
+    drafted nothing (its bonus token alone) is not a spec row, so it runs the non-spec decode
+    kernels on `block_table[:, 0]` (:392), column 0 of its row, without num_accepted_tokens: the
+    state before the previous step's accepted tokens."""
+    undrafted = cu_seqlens.diff().to(slots.device) == 1
+    if not undrafted.any():
+        return vllm_row_verify(module, x, cu_seqlens, pool, slots, placement)
+    starts = cu_seqlens[:-1].long()
+    y = torch.empty_like(x)
+    rows = undrafted.nonzero().flatten()
+    tokens = starts[undrafted.cpu()]
+    y[:, tokens] = vllm_pool_decode(module, x[:, tokens], pool, slots[rows, 0], len(rows), placement)
+    spec = (~undrafted).nonzero().flatten()
+    if len(spec):
+        keep = spec.cpu()
+        spec_tokens = torch.cat([torch.arange(int(cu_seqlens[n]), int(cu_seqlens[n + 1])) for n in keep.tolist()])
+        cu = torch.cat([cu_seqlens.new_zeros(1), cu_seqlens.diff()[keep].cumsum(0)]).to(cu_seqlens)
+        num_accepted(module, pool, slots)
+        y[:, spec_tokens] = vllm_row_verify(module, x[:, spec_tokens], cu, pool, slots[spec], placement)
+    return y
 
 
 def sglang_decode_padding_clamped_to_slot_0(module, x, pool, slots, num_valid, placement):

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from linattn import kernels
 from linattn.layers import GatedDeltaNet, LayerState
 from clients.padded import padded_forward, run_rows
+from clients.spec_decode import num_accepted, row_verify
 from clients.state_pool import pool_prefill
 
 
@@ -193,6 +194,17 @@ def accept_keeping_rejected_drafts(module, pool, slots, num_accepted_tokens, pla
     for f, kept in zip(pool, module.verify_states):
         f[slots] = kept[-1, rows]
     module.verify_states = None
+
+
+def row_verify_reading_column_0_for_undrafted_rows(module, x, cu_seqlens, pool, slots, placement):
+    """vLLM #56531 (before it; also #55504's non-spec path): in a mixed batch a row that drafted
+    nothing takes the non-spec decode path, which keeps one slot per request (`block_table[:, 0]`):
+    it starts from column 0, the state before the previous call's accepted tokens, instead of
+    column num_accepted_tokens - 1 (the row client in vLLM's layout)."""
+    undrafted = cu_seqlens.diff().to(slots.device) == 1  # the bonus token alone
+    num_accepted(module, pool, slots)
+    module.accepted[slots[undrafted, 0]] = 1
+    return row_verify(module, x, cu_seqlens, pool, slots, placement)
 
 
 def forward_ignoring_the_mask_when_continued(module, x, attention_mask, state, placement):

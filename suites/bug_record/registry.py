@@ -54,7 +54,7 @@ from linattn.layers import LayerState
 from pytest_linattn.harness import TrainingStep
 from pytest_linattn.harness.continuation_plans import describe_token, plan_cuts
 from clients.padded import linattn_padded_path
-from clients.spec_decode import linattn_spec_path
+from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
 from clients.state_pool import linattn_pool_path
 
 __all__ = ["BUGS", "Bug", "FIDELITIES", "Report", "by_key"]
@@ -127,6 +127,10 @@ def _spec(**fields):
     return functools.partial(linattn_spec_path, CONFIG, **fields)
 
 
+def _row_spec(**fields):
+    return functools.partial(linattn_row_spec_path, CONFIG, checks.SPEC_MIXED_DRAFTS, **fields)
+
+
 def _padded(**fields):
     return functools.partial(linattn_padded_path, CONFIG, **fields)
 
@@ -168,6 +172,22 @@ SNAPSHOT_WRONG = (PREFIX_CALL + r": the snapshot of sequence \d+ \([^)]*\) at to
 SPEC_STATE = (r"call \d+ \(verify round \d+: 3 drafts each of sequences \[[\d, ]+\] in slots \[[\d, ]+\], accepted "
               r"\[[\d, ]+\]\): slot \d+, sequence \d+ \([^)]*\), state after token \d+, [012] of 3 drafts accepted: "
               r"field \w+ error \S+")
+
+
+def _undrafted_after_accepting(plans=checks.SPEC_MIXED_PLANS, K=checks.SPEC_MIXED_DRAFTS):
+    """vLLM #56531's plant: the first verify round where a sequence drafts nothing after a round that
+    accepted a draft (its state past column 0): that call's line for the sequence's bonus token."""
+    r, n = min((r, n) for n, pl in enumerate(plans) for r in range(1, len(pl.accepted))
+               if pl.drafts_of(r, K) == 0 and pl.accepted[r - 1] > 0)
+    seqs = [m for m, pl in enumerate(plans) if r < len(pl.accepted)]
+    call = max(len(pl.chunks) for pl in plans) + r
+    token = sum(plans[n].chunks) + sum(1 + j for j in plans[n].accepted[:r])
+    drafts = [plans[m].drafts_of(r, K) for m in seqs]
+    return (re.escape(f"call {call} (verify round {r + 1}: the next token and drafts {drafts} (mixed) of sequences "
+                      f"{seqs} in slots ") + r".*?" + re.escape(f", accepted {[plans[m].accepted[r] for m in seqs]}): ")
+            + r"slot \([\d, ]+\), " + re.escape(f"sequence {n} ({plans[n]}), token {token}: output error"))
+
+
 # a row whose pads straddle into a continued call: its state after that call is off, then its first token
 PADDED_STATE = (r"call [12] \(prefill of columns \d+\.\.\d+, pads per row \[[\d, ]+\]\): row \d \(a \d-token prompt\), "
                 r"state before its first token \(zeros\): field \w+ error \S+")
@@ -521,6 +541,17 @@ BUGS = (
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/spec_decode.py); and around the "
             "engines' own kernels: sglang 0.5.23's accept after target_verify taking the buffers' last step, vLLM "
             "0.33.0's next step handed num_accepted_tokens = 1 + K")),
+    Bug("vllm-56531", "N5", (gh("vllm-project/vllm", 56531, "pull"), gh("vllm-project/vllm", 40875),
+                             gh("vllm-project/vllm", 55504, "pull"), gh("vllm-project/vllm", 39273)),
+        "in a batch mixing speculative rows with rows that drafted nothing, the undrafted rows took the non-spec "
+        "decode path, which keeps one slot per request (block_table[:, 0]), and read column 0: the state before "
+        "the previous step's accepted tokens, not column num_accepted_tokens - 1", "MTP / spec decode", "No",
+        "spec-decode-mixed", _row_spec(verify=S.row_verify_reading_column_0_for_undrafted_rows), "stateful",
+        located=_undrafted_after_accepting(),
+        engine_tests=(f"{ENGINES}test_vllm_56531_undrafted_rows_on_the_non_spec_path",),
+        fidelity="faithful", fidelity_note=("in the project's row client (suites/clients/spec_decode.py), and in "
+            "vLLM 0.33.0's glue around its own kernels (the undrafted rows split off to causal_conv1d_update and "
+            "fused_sigmoid_gating_delta_rule_update on block_table[:, 0], as before the fix)")),
     Bug("sglang-38975", "30", (gh("sgl-project/sglang", 38975),),
         "GDN packed decode rounds sigmoid(beta) through bf16; the error enters the state every token",
         "dtype (state precision)", "No", "continuation", _path(S.DecodeBetaThroughBF16), "stateful",

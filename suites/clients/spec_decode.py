@@ -30,17 +30,21 @@ __all__ = ["current_slots", "linattn_row_spec_path", "linattn_spec_path", "num_a
 
 
 def verify_states(module, x, cu_seqlens, state):
-    """K tokens of each of N sequences (packed, K each) from `state`, one token of every sequence
-    per step: the outputs `[1, N*K, hidden]` and the states after 0..K tokens, per field `[K + 1, N, ...]`."""
-    N = cu_seqlens.numel() - 1
-    K = x.shape[1] // N
-    tokens = x.view(N, K, -1)
-    ys, states = [], [state]
-    for k in range(K):
-        y, state = module.step(tokens[:, k].unsqueeze(0), state)
-        ys.append(y[0])
+    """Each of N sequences' tokens (packed by cu_seqlens; a mixed call's rows differ in length) from
+    `state`, one token of every sequence per step: the outputs `[1, T, hidden]` and the states after
+    0..K tokens, per field `[K + 1, N, ...]` (K the longest row's; a shorter row keeps its last state)."""
+    lengths = cu_seqlens.diff().tolist()
+    starts = cu_seqlens[:-1].tolist()
+    y = torch.empty_like(x)
+    states = [state]
+    for k in range(max(lengths)):
+        rows = [n for n, length in enumerate(lengths) if k < length]
+        tokens = torch.tensor([starts[n] + k for n in rows])
+        y_k, stepped = module.step(x[:, tokens], type(state)(*(f[rows] for f in state)))
+        y[:, tokens] = y_k
+        state = type(state)(*(f.index_copy(0, torch.tensor(rows, device=f.device), s) for f, s in zip(state, stepped)))
         states.append(state)
-    return torch.stack(ys, dim=1).reshape(1, N * K, -1), [torch.stack(fields) for fields in zip(*states)]
+    return y, [torch.stack(fields) for fields in zip(*states)]
 
 
 def pool_verify(module, x, cu_seqlens, pool, slots, placement):
@@ -98,7 +102,7 @@ def row_verify(module, x, cu_seqlens, pool, slots, placement):
     start = current_slots(slots, num_accepted(module, pool, slots))
     y, states = verify_states(module, x, cu_seqlens, LayerState(*(f[start] for f in pool)))
     for f, kept in zip(pool, states):
-        f[slots] = kept[1:].transpose(0, 1)
+        f[slots[:, :kept.shape[0] - 1]] = kept[1:].transpose(0, 1)
     return y
 
 

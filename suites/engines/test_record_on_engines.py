@@ -21,7 +21,7 @@ from cases.layer_parity import replicated_layer
 from clients.engines.fetch import SGLANG, VLLM
 from pytest_linattn.harness import Placement, assert_spec_decode_parity
 from pytest_linattn.parity import capture_records
-from test_state_pools import CONFIG, NUM_DRAFT, RTOL, SPEC_PLANS, check, needs, prefix_check
+from test_state_pools import CONFIG, NUM_DRAFT, RTOL, SPEC_PLANS, check, mixed_spec_check, needs, prefix_check
 
 CALL = r"call \d+ \((decode|prefill) of sequences \[[\d, ]+\] in slots \[[\d, ]+\][^)]*\)"
 
@@ -114,3 +114,15 @@ def test_sglang_27658_verify_keeps_the_rejected_drafts(spawn):
     caught(lambda: spec_check(spawn, sglang_spec_path(CONFIG, accept=plants.sglang_accept_keeping_rejected_drafts),
                               engine_reference_forward, "sglang-27658"),
            SPEC_STATE)
+
+
+@needs(VLLM)
+def test_vllm_56531_undrafted_rows_on_the_non_spec_path(spawn):
+    from bug_record.registry import by_key
+    from clients.engines.vllm_gdn import vllm_spec_path
+
+    # the record's mixed plans (bug_record.checks.SPEC_MIXED_PLANS): the entry's own located line
+    caught(lambda: mixed_spec_check(spawn, vllm_spec_path(CONFIG, NUM_DRAFT,
+                                                          verify=plants.vllm_verify_undrafted_rows_on_the_non_spec_path),
+                                    "vllm-56531"),
+           by_key()["vllm-56531"].located)

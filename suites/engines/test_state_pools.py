@@ -144,6 +144,27 @@ def test_vllm_spec_decode_matches_the_serial_run(spawn, op):
                               name=f"vllm-{op}-spec")
 
 
+def mixed_spec_check(spawn, path, name):
+    """Mixed verify calls (vLLM batches rows that drafted nothing with rows that did), at the record's
+    plans (bug_record.checks.SPEC_MIXED_PLANS, K = 2)."""
+    from bug_record.checks import SPEC_MIXED_PLANS
+    from clients.engines.vllm_gdn import spec_reference_forward
+
+    assert_spec_decode_parity(spawn, path, replicated_layer(CONFIG, 41), [Placement()], SPEC_MIXED_PLANS,
+                              num_draft=NUM_DRAFT, hidden_size=CONFIG.hidden_size, seed=43, rtol=RTOL,
+                              dtype=torch.float32, reference_forward=functools.partial(spec_reference_forward, NUM_DRAFT),
+                              name=name)
+
+
+@needs(VLLM)
+def test_vllm_spec_decode_with_mixed_rows(spawn):
+    """Rows that drafted nothing (their bonus token alone) in the spec path beside rows that did, as
+    vLLM 0.33.0 runs them (gdn_attn.py:340-348): each from column num_accepted_tokens - 1."""
+    from clients.engines.vllm_gdn import vllm_spec_path
+
+    mixed_spec_check(spawn, vllm_spec_path(CONFIG, NUM_DRAFT), "vllm-gdn-spec-mixed")
+
+
 @needs(SGLANG)
 def test_sglang_gdn_spec_decode_matches_the_serial_run(spawn):
     from clients.engines.layout import engine_reference_forward

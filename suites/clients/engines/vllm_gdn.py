@@ -243,14 +243,14 @@ def vllm_row_state(module, pool, slots, placement):
     return LayerState(conv, pool.recurrent[current_slots(slots, accepted)])
 
 
-def vllm_spec_path(config, num_draft, accept=row_accept) -> SpecDecodePath:
+def vllm_spec_path(config, num_draft, accept=row_accept, verify=vllm_row_verify) -> SpecDecodePath:
     """VllmGDN (VllmKDA for a KDA config) with vLLM's speculative decoding: a bonus token and
     num_draft drafts per verify call, a row of 1 + num_draft slots per sequence; accept keeps
-    num_accepted_tokens for the next call (a planted bug replaces it)."""
+    num_accepted_tokens for the next call (a planted bug replaces it, or verify)."""
     if config.op == "kda":
         from clients.engines.vllm_kda import _build as build
     else:
         build = _build
     layer = dataclasses.replace(linattn_layer(config), build=functools.partial(build, config))
-    return SpecDecodePath(layer, prefill=vllm_row_prefill, verify=vllm_row_verify, accept=accept,
+    return SpecDecodePath(layer, prefill=vllm_row_prefill, verify=verify, accept=accept,
                           bonus_token=True, slots_per_sequence=1 + num_draft, read_state=vllm_row_state)

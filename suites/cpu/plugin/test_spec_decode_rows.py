@@ -10,6 +10,8 @@ rejected draft's state) fails with the call, the row, the sequence and the draft
 """
 
 
+import re
+
 import pytest
 import torch
 
@@ -77,3 +79,39 @@ def test_slot_rows_need_read_state():
         SpecDecodePath(path.layer, path.prefill, path.verify, path.accept, slots_per_sequence=3)
     with pytest.raises(ValueError, match=r"SpecDecodePath.slots_per_sequence must be a positive int, got 0"):
         SpecDecodePath(path.layer, path.prefill, path.verify, path.accept, slots_per_sequence=0)
+
+
+def test_mixed_calls_describe_each_row_s_drafts():
+    # a row of 0 drafts runs its bonus token alone beside rows of K: the call's cu_seqlens says so
+    plans = [SpecPlan((3,), (2, 0), drafts=(2, 0)), SpecPlan((2,), (0, 1), drafts=(0, 2))]
+    lengths = [pl.length + len(pl.accepted) for pl in plans]
+    bounds = torch.tensor([0, *lengths]).cumsum(0).tolist()
+    x = torch.randn(1, bounds[-1], 4, dtype=torch.float64)
+    calls = spec_schedule(plans, bounds, x, K, torch.Generator().manual_seed(0), bonus_token=True,
+                          slots_per_sequence=K + 1)
+    verify = [c for c in calls if c.kind == "verify"]
+    assert [c.cu_seqlens.diff().tolist() for c in verify] == [[3, 1], [1, 3]]
+    assert [c.accepted for c in verify] == [(3, 1), (1, 2)]
+    assert str(plans[0]) == "chunks 3, then verify rounds accepting [2, 0] of drafts [2, 0]"
+
+
+@pytest.mark.parametrize("fields, says", [
+    (dict(chunks=(3,), accepted=(1, 0), drafts=(2,)), "one per verify round"),
+    (dict(chunks=(3,), accepted=(2,), drafts=(1,)), "must not exceed the round's drafts"),
+    (dict(chunks=(3,), accepted=(0,), drafts=(-1,)), "ints >= 0"),
+])
+def test_spec_plan_drafts_are_checked(fields, says):
+    with pytest.raises(ValueError, match=re.escape(says)):
+        SpecPlan(**fields)
+
+
+def test_zero_drafts_need_a_bonus_token_and_at_most_num_draft():
+    from clients.spec_decode import linattn_spec_path
+
+    base = dict(num_draft=K, hidden_size=CONFIG.hidden_size, seed=0, rtol=RTOL)
+    with pytest.raises(ValueError, match="runs no token without the path's bonus_token"):
+        assert_spec_decode_parity(None, linattn_spec_path(CONFIG), reference(), [Placement()],
+                                  [SpecPlan((2,), (0,), drafts=(0,))], **base)
+    with pytest.raises(ValueError, match=re.escape("plans[0].drafts must lie in 0..num_draft (2)")):
+        assert_spec_decode_parity(None, linattn_row_spec_path(CONFIG, K), reference(), [Placement()],
+                                  [SpecPlan((2,), (0,), drafts=(3,))], **base)
