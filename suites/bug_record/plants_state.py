@@ -207,6 +207,18 @@ def row_verify_reading_column_0_for_undrafted_rows(module, x, cu_seqlens, pool, 
     return row_verify(module, x, cu_seqlens, pool, slots, placement)
 
 
+def row_verify_keeping_one_conv_window(module, x, cu_seqlens, pool, slots, placement):
+    """vLLM #50272 / #44296 (LFM2's short_conv under any speculative method): the conv state sized
+    W-1 with no room for the drafts and num_accepted_tokens never passed to it, so one window is
+    shifted through every token of the verify call, the rejected drafts included, and that window
+    is what the next call reads whatever was accepted (the recurrent state keeps its per-token
+    columns; the row client in vLLM's layout)."""
+    y = row_verify(module, x, cu_seqlens, pool, slots, placement)
+    last = slots.gather(1, (cu_seqlens.diff().to(slots.device).long() - 1).view(-1, 1)).squeeze(1)
+    pool[0][slots] = pool[0][last].unsqueeze(1).expand(-1, slots.shape[1], *pool[0].shape[1:]).clone()
+    return y
+
+
 def forward_ignoring_the_mask_when_continued(module, x, attention_mask, state, placement):
     """transformers #47086 (the padded-batch client's forward, `PaddedStatePath.forward`): the
     first call (an empty cache) applies the attention mask; a continued forward does not, so the

@@ -188,6 +188,19 @@ def _undrafted_after_accepting(plans=checks.SPEC_MIXED_PLANS, K=checks.SPEC_MIXE
             + r"slot \([\d, ]+\), " + re.escape(f"sequence {n} ({plans[n]}), token {token}: output error"))
 
 
+def _conv_window_of_rejected_drafts(plans=checks.SPEC_MIXED_PLANS, K=checks.SPEC_MIXED_DRAFTS):
+    """vLLM #50272's plant: the first sequence of the first verify round that rejects a draft; its
+    conv state after the call (the slot it continues from) holds the rejected drafts."""
+    r, n = min((r, n) for n, pl in enumerate(plans) for r in range(len(pl.accepted))
+               if pl.accepted[r] < pl.drafts_of(r, K))
+    call = max(len(pl.chunks) for pl in plans) + r
+    start = sum(plans[n].chunks) + sum(1 + j for j in plans[n].accepted[:r])
+    j, d = plans[n].accepted[r], plans[n].drafts_of(r, K)
+    return (re.escape(f"call {call} (verify round {r + 1}: ") + r"[^\n]*?" + r"slot \([\d, ]+\), "
+            + re.escape(f"sequence {n} ({plans[n]}), state after token {start + j}, {j} of {d} drafts accepted: "
+                        f"field conv error"))
+
+
 # a row whose pads straddle into a continued call: its state after that call is off, then its first token
 PADDED_STATE = (r"call [12] \(prefill of columns \d+\.\.\d+, pads per row \[[\d, ]+\]\): row \d \(a \d-token prompt\), "
                 r"state before its first token \(zeros\): field \w+ error \S+")
@@ -376,13 +389,13 @@ BUGS = (
         fidelity="project finding", fidelity_note=("no upstream report: found in transformers' TP plan "
             "(replicated_with_grad_allreduce in integrations/tensor_parallel.py); NeMo-RL #3788 / #3716 and ROCm "
             "TransformerEngine #715 are reports of the same class elsewhere")),
-    Bug("transformers-45513", "3", (gh("huggingface/transformers", 45513),),
+    Bug("transformers-45513", "3", (gh("huggingface/transformers", 45513), gh("fla-org/flash-linear-attention", 351)),
         "a multi-token cached forward called the chunk kernel with initial_state=None, restarting from zero",
         "state carry", "Yes", "continuation", _path(prefill=S.prefill_restarting_multi_token_chunks), "stateful",
         located=first_wrong_in_prefill(lambda size, offset: 0 if size > 1 else None),
         fidelity="faithful"),
     Bug("vllm-51483", "4", (gh("vllm-project/vllm", 51483), gh("vllm-project/vllm", 51562),
-                            gh("vllm-project/vllm", 51565)),
+                            gh("vllm-project/vllm", 51565), gh("vllm-project/vllm", 57573)),
         "a stateless 1-token first chunk was classified as a decode and read a reused, unzeroed state page",
         "state carry / kernel selection", "Yes", "continuation",
         _path(prefill=S.prefill_reading_a_stale_state_for_1_token_chunks), "stateful",
@@ -410,14 +423,15 @@ BUGS = (
                              f"{len(LayerState._fields)} tensor(s) off") + r"[^\n]*\n[^\n]*\n\s+conv\s[^\n]*"),
         fidelity="project finding", fidelity_note=("no upstream report: found reading fla's causal_conv1d backward; "
             "planted in linattn's state path, where the state's column 0 is read")),
-    Bug("megatron-pr-1989", "6", (gh("NVIDIA/Megatron-LM", 1989, "pull"),),
+    Bug("megatron-pr-1989", "6", (gh("NVIDIA/Megatron-LM", 1989, "pull"), gh("tenstorrent/tt-forge-models", 798),
+                                  gh("NVIDIA-NeMo/Megatron-Bridge", 1690), gh("NVIDIA-NeMo/Megatron-Bridge", 629)),
         "the packed in_proj [Q_all|K_all|V_all|...] is split evenly by a column-parallel linear, so rank 0 gets "
         "Q|K|part of V instead of its heads of each", "TP sharding", "Check", "tp-parity",
         _layer(shard=functools.partial(L.shard_fused_in_proj_evenly, CONFIG)), "sharded",
         located=_shard_note_of_even_split(),
         fidelity="faithful"),
     Bug("tp-beyond-key-heads", "9", (gh("vllm-project/vllm", 13660), gh("sgl-project/sglang", 20967),
-                                     gh("radixark/miles", 972)),
+                                     gh("radixark/miles", 972), gh("alibaba/ROLL", 497)),
         "with TP > key heads the key heads are replicated and the norm / gate shards become fractional or unsliced",
         "TP > key heads (GQA/GVA replication)", "No", "tp-replicated",
         functools.partial(L.planted_layer, REPLICATED_CONFIG, None,
@@ -426,7 +440,7 @@ BUGS = (
                            + parity_row("in_proj_z.weight", r"value head \d+, channel \d+, col \d+ \(TP rank [13]\)"),
         fidelity="moved", fidelity_note=("miles #972 was Megatron's full-attention output gate (a crash in view()); "
             "planted as a silent wrong-rows slice of GDN's in_proj_z at TP 4 over 2 key heads")),
-    Bug("slime-1686", "10", (gh("THUDM/slime", 1686),),
+    Bug("slime-1686", "10", (gh("THUDM/slime", 1686), gh("radixark/miles", 648)),
         "cu_seqlens reached the short conv but not chunk_gated_delta_rule, so the recurrence ran through the "
         "packed samples", "packed boundaries", "Check", "oracle", _cls(L.DeltaRuleWithoutBoundaries), "everywhere",
         located=parity_row("qwen3_5-gva2 output", r"seq [1-9]\d* token \d+ \(global \d+\)"),
@@ -448,14 +462,15 @@ BUGS = (
                 r"token \d+ \(global \d+\) on",
         fidelity="moved", fidelity_note=("the reports' decoders (transformers, LlamaFactory, ms-swift, verl, "
             "torchtitan) moved into the toy DecoderStack (suites/clients/isolation.py)")),
-    Bug("accelerate-4177", "14", (gh("huggingface/accelerate", 4177),),
+    Bug("accelerate-4177", "14", (gh("huggingface/accelerate", 4177), gh("hiyouga/LlamaFactory", 10727)),
         "Ulysses CP wrapped only attention, so GDN ran on local shards and every rank restarted the state at zero",
         "CP (state not passed)", "Check", "cp-parity", _layer(L.StateNotPassedOverCP), "sharded",
         # rank 0's outputs right; rank 1's wrong from its first token, where the state restarts
         located=first_wrong_per_rank("record/cp2-contiguous/seed44", "none", at_token(checks.CU[-1] // 2)),
         fidelity="partial", fidelity_note=("the recurrent state not passed over CP; the conv halo still crosses "
             "(upstream the conv ran on local shards too)")),
-    Bug("prime-rl-3002", "15", (gh("PrimeIntellect-ai/prime-rl", 3002), gh("PrimeIntellect-ai/prime-rl", 3003)),
+    Bug("prime-rl-3002", "15", (gh("PrimeIntellect-ai/prime-rl", 3002), gh("PrimeIntellect-ai/prime-rl", 3003),
+                                gh("verl-project/verl", 6038)),
         "Ulysses CP built fla's CP context from a made-up [0, global_len], so state leaked across packed documents",
         "CP layout + packed", "Check", "cp-parity", _layer(L.ContextFromWholeBatch), "sharded",
         # the batch ran as one sequence: wrong from the first packed boundary on
@@ -486,7 +501,8 @@ BUGS = (
         repro="suites/live_bugs/fla_955_causal_conv1d_varlen_batch.py",
         fidelity="faithful", fidelity_note=("fla's own kernel, the pinned release (under Triton's interpreter, and "
             "on a GPU): no plant, a live bug")),
-    Bug("fla-871-1138", "21", (gh("fla-org/flash-linear-attention", 871), gh("fla-org/flash-linear-attention", 1138)),
+    Bug("fla-871-1138", "21", (gh("fla-org/flash-linear-attention", 871),
+                               gh("fla-org/flash-linear-attention", 1138), gh("ggml-org/llama.cpp", 18761)),
         "the conv backward read dy with hard-coded contiguous strides: wrong dx / dh0 for a non-contiguous dy",
         "kernel layout (strides)", "No", "kernel", None, "kernel", suite="fla-interpret",
         kernel_test="suites/fla-interpret/test_conv_backward_record.py::test_strided_dy_into_the_varlen_conv_backward",
@@ -514,10 +530,14 @@ BUGS = (
         _pool(prefill=S.prefill_writing_a_short_chunk_into_the_prefix_block), "stateful", located=PREFIX_BLOCK_WRITTEN,
         engine_tests=(f"{ENGINES}test_vllm_56196_short_chunk_writes_the_prefix_block",),
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), and in vLLM "
-            "0.33.0's align-mode prefix copies around its own kernels (the short chunk's conv run in the prefix block)")),
+            "0.33.0's align-mode prefix copies around its own kernels (the short chunk's conv run in the prefix "
+            "block)")),
     Bug("vllm-37728-padded-slots", "27", (gh("vllm-project/vllm", 37728), gh("vllm-project/vllm", 49757),
                                           gh("vllm-project/vllm", 55178), gh("NVIDIA/TensorRT-LLM", 13151),
-                                          gh("vllm-project/vllm", 23035, "pull"), gh("lightseekorg/tokenspeed", 700, "pull")),
+                                          gh("vllm-project/vllm", 23035, "pull"),
+                                          gh("lightseekorg/tokenspeed", 700, "pull"),
+                                          gh("noonghunna/club-3090", 896), gh("sgl-project/sglang", 30974),
+                                          gh("sgl-project/sglang", 24955)),
         "CUDA-graph padded rows or DP dummy runs write state through a padding slot equal to a live slot (0)",
         "CUDA graph / decode state pool", "No", "state-pool", _pool(decode=S.decode_writing_padding_rows_through_slot_0),
         "stateful", located=POOL_SLOT_0,
@@ -533,7 +553,7 @@ BUGS = (
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not sglang's "
             "code")),
     Bug("spec-decode-verify", "29", (gh("sgl-project/sglang", 27658), gh("sgl-project/sglang", 40419),
-                                     gh("vllm-project/vllm-ascend", 12255)),
+                                     gh("vllm-project/vllm-ascend", 12255), gh("NVIDIA/TensorRT-LLM", 13782)),
         "spec-decode verify keeps the state advanced by rejected drafts", "MTP / spec decode", "No",
         "spec-decode", _spec(accept=S.accept_keeping_rejected_drafts), "stateful", located=SPEC_STATE,
         engine_tests=(f"{ENGINES}test_sglang_27658_verify_keeps_the_rejected_drafts",
@@ -552,14 +572,23 @@ BUGS = (
         fidelity="faithful", fidelity_note=("in the project's row client (suites/clients/spec_decode.py), and in "
             "vLLM 0.33.0's glue around its own kernels (the undrafted rows split off to causal_conv1d_update and "
             "fused_sigmoid_gating_delta_rule_update on block_table[:, 0], as before the fix)")),
-    Bug("sglang-38975", "30", (gh("sgl-project/sglang", 38975),),
+    Bug("vllm-50272", "N9", (gh("vllm-project/vllm", 50272, "pull"), gh("vllm-project/vllm", 44296, "pull")),
+        "LFM2's short_conv under any speculative method: the conv state sized W-1 with no room for the drafts and "
+        "num_accepted_tokens never passed to its metadata builder, so the conv window keeps the rejected drafts",
+        "MTP / spec decode", "No", "spec-decode-mixed", _row_spec(verify=S.row_verify_keeping_one_conv_window),
+        "stateful", located=_conv_window_of_rejected_drafts(),
+        fidelity="moved", fidelity_note=("LFM2's short_conv (a conv-only mixer) in vLLM; planted in the GDN row "
+            "client's conv state (suites/clients/spec_decode.py), whose recurrent state keeps its per-token columns")),
+    Bug("sglang-38975", "30", (gh("sgl-project/sglang", 38975), gh("vllm-project/vllm", 53877),
+                               gh("vllm-project/tpu-inference", 2408)),
         "GDN packed decode rounds sigmoid(beta) through bf16; the error enters the state every token",
         "dtype (state precision)", "No", "continuation", _path(S.DecodeBetaThroughBF16), "stateful",
         # beta enters the recurrence only: the conv state stays right
         located=first_wrong_in_decode() + r"[\s\S]*?" + final_state_off("recurrent"),
         fidelity="faithful"),
     Bug("trt-model-connect-725", "31", (gh("NVIDIA/TensorRT-Model-Connect", 725, "pull"), gh("ollama/ollama", 15865),
-                                        gh("intel/llm-scaler", 559)),
+                                        gh("intel/llm-scaler", 559), gh("vllm-project/vllm", 39032),
+                                        gh("vllm-project/vllm", 13466)),
         "the persistent DeltaNet state is written back in the storage dtype (bf16) every token",
         "dtype (state storage)", "No", "long-decode", _path(S.DecodeStoringStateInBF16), "stateful",
         located=(r"state dtype: decode step 1 returned field recurrent in torch\.bfloat16, below the contract "
@@ -574,7 +603,8 @@ BUGS = (
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/padded.py), not transformers' "
             "or maxtext's code")),
     Bug("megatron-4495", "33", (gh("NVIDIA/Megatron-LM", 4495), gh("verl-project/verl", 6559),
-                                gh("modelscope/mcore-bridge", 162)),
+                                gh("modelscope/mcore-bridge", 162), gh("NVIDIA-NeMo/Automodel", 3544),
+                                gh("NVIDIA-NeMo/Megatron-Bridge", 4489), gh("NVIDIA/Megatron-LM", 5243)),
         "THD + CP: local chunks indexed with the unpadded cu_seqlens_q instead of cu_seqlens_q_padded",
         "padded THD under CP", "No", "cp-padded", _layer(L.UnpaddedOffsets), "sharded",
         # the first sequence whose padded start differs runs on from the pads before it (rank 0 holds its token 0)
@@ -582,7 +612,8 @@ BUGS = (
                                      at_token(checks.CU[_first_padded_sequence()])),
         fidelity="moved", fidelity_note=("#4495 is the MTP roll's unpadded offsets (verl #6559 the GDN case); "
             "planted in linattn's CP context of GDN's ops")),
-    Bug("megatron-098d7d97", "also", (commit("NVIDIA/Megatron-LM", "098d7d97"), gh("ISEEKYAN/Megatron-LM", 111, "pull")),
+    Bug("megatron-098d7d97", "also", (commit("NVIDIA/Megatron-LM", "098d7d97"), gh("ISEEKYAN/Megatron-LM", 111, "pull"),
+                                      gh("modelscope/mcore-bridge", 16)),
         "a wrong THD partition in contiguous CP: local boundaries cu_seqlens // cp", "CP layout + packed",
         "also found", "cp-parity", _layer(L.LocalBoundariesDividedByCP), "sharded",
         # no note first (the batch did not run as one sequence: prime-rl #3002's), then rank 0 wrong from the
@@ -597,7 +628,7 @@ BUGS = (
         # zeroed tail)
         located=first_wrong_per_rank("record/cp2-contiguous/seed44", at_token(L.HARD_CODED_CONV_TOKENS)),
         fidelity="faithful", fidelity_note=("the 4096-token pad scaled to 12 tokens; the commit itself is unverified")),
-    Bug("verl-6609", "also", (gh("verl-project/verl", 6609),),
+    Bug("verl-6609", "also", (gh("verl-project/verl", 6609), gh("NVIDIA/Megatron-LM", 3959)),
         "grad_norm blows up at CP > 1: Megatron-Bridge forces calculate_per_token_loss under CP, where megatron-core "
         "expects the loss function to return (loss_sum, num_tokens, metrics) and finalize_model_grads divides by "
         "the all-reduced num_tokens; verl's loss function returned the 2-tuple (loss, metrics), so no count "
@@ -610,7 +641,7 @@ BUGS = (
         fidelity="partial", fidelity_note=("the division by the token count skipped (verl's 2-tuple), in a trainer "
             "on megatron-core's contract (suites/clients/per_token_loss.py), moved from finalize_model_grads into "
             "its loss step; the aux / z-loss terms it hit upstream are not there")),
-    Bug("sglang-19411", "also", (gh("sgl-project/sglang", 19411),),
+    Bug("sglang-19411", "also", (gh("sgl-project/sglang", 19411), gh("sgl-project/sglang", 14811)),
         "Qwen3.5 at TP >= 2: its decoder layers did not pass is_last_layer to LayerCommunicator, so every layer, "
         "the last too, skipped its MLP all-reduce for the next layer's fused all-reduce + residual add + RMSNorm; "
         "no layer follows the last, and the final norm added its un-reduced partial sum to the reduced residual "
