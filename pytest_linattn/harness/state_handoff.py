@@ -168,7 +168,8 @@ def assert_state_handoff_parity(spawn, path: StateHandoffPath, reference: torch.
 
     label = f"{name}/" if name else ""
     run = _Run(path, source, lengths, steps, rtol)
-    prefilled = spawn(run_prefill_on_rank, source.tp, RankPrefill(path, source, weights, x[:, prompt_tokens], cu, dtype))
+    prefilled = spawn(run_prefill_on_rank, source.tp,
+                      RankPrefill(path, source, weights, x[:, prompt_tokens], cu, dtype))
     prefill_failures = run.check_prefill(prefilled, y_prompt.double(), at_prompt, cu,
                                          f"{label}prefill at tp{source.tp}/seed{seed}")
     states = [r["state"] for r in prefilled]
@@ -258,9 +259,14 @@ class _Run:
             where = f"handed-off state at tp{T}, tp_rank {r}"
             if result["problem"]:
                 failures.append(f"{where}: {result['problem']}")
-            else:
-                failures += state_lines(where, names, result["handed"], expected[r], self.path.config, T, r,
-                                        self.lengths, self.rtol)
+                continue
+            try:  # its record (the run's summary, --linattn-report); judged per sequence below, located
+                assert_parity(dict(zip(names, result["handed"])), dict(zip(names, expected[r])), rtol=self.rtol,
+                              name=f"{label} handed-off state tp_rank{r}", describe=self.describe, activations=False)
+            except AssertionError:
+                pass
+            failures += state_lines(where, names, result["handed"], expected[r], self.path.config, T, r,
+                                    self.lengths, self.rtol)
         if any(r["problem"] for r in results):
             return failures + [f"no decode step ran at tp{T}: a target rank's handed-off state is unusable"]
         cu = torch.arange(N + 1, dtype=torch.int32) * steps
@@ -313,8 +319,9 @@ def _relative(actual, expected) -> float:
 def _units(config, field, shape, tp, tp_rank):
     """(unit, [(region, name) per row]) of one sequence's row of `field` at TP rank `tp_rank` of
     `tp` in linattn's layout (linattn.layers.state): conv rows are channels [q | k | v], each
-    section by head (key heads: q, k; value heads: v); recurrent rows are value heads. None
-    where `config` is None or the row is not that layout."""
+    section by head (key heads: q, k; value heads: v), a region a section's head; recurrent rows
+    are value heads, a region their key head. None where `config` is None or the row is not
+    that layout."""
     if config is None:
         return None
     try:
@@ -335,7 +342,7 @@ def _units(config, field, shape, tp, tp_rank):
         return "channel", words
     if field == "recurrent" and shape == (local.num_v_heads, dk, dv):
         heads = [value0 + h for h in range(local.num_v_heads)]
-        return "value head", [(f"value head {v} (key head {v // r})", f"value head {v}") for v in heads]
+        return "value head", [(f"key head {v // r}", f"value head {v}") for v in heads]
     return None
 
 
@@ -356,12 +363,16 @@ def _where_in_field(config, field, actual, expected, tp, tp_rank, rtol) -> str:
     tail = f"worst: {words[worst][1]}, error {errors[worst]:.1e} of the {unit}s' RMS norm"
     if not bad:
         return f"no single {unit} off by more than rtol of the {unit}s' RMS norm; {tail}"
-    totals, counts = {}, {}
-    for i, (region, _) in enumerate(words):
-        totals[region] = totals.get(region, 0) + 1
-        counts[region] = counts.get(region, 0) + (i in bad)
-    regions = [f"{region} ({counts[region]} of {totals[region]} {unit}s)" if totals[region] > 1 else region
-               for region in totals if counts[region]]
+    members, wrong = {}, {}  # region -> its rows, its wrong rows (in row order)
+    for i, (region, name) in enumerate(words):
+        members.setdefault(region, []).append(name)
+        if i in bad:
+            wrong.setdefault(region, []).append(name)
+    if unit == "value head":  # "value heads 4, 5 (key head 1)"
+        regions = [f"value head{'s' * (len(names) > 1)} {', '.join(n.split()[-1] for n in names)} ({region})"
+                   for region, names in wrong.items()]
+    else:  # "section q key head 1 (8 of 8 channels)"
+        regions = [f"{region} ({len(names)} of {len(members[region])} {unit}s)" for region, names in wrong.items()]
     return f"wrong in {', '.join(regions)}; {tail}"
 
 

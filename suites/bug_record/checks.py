@@ -26,6 +26,9 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     spec-decode-mixed  assert_spec_decode_parity at TP 2 in vLLM's layout (a bonus token, rows of 1 + K
                    slots, suites/clients/spec_decode.py's row client), K = 2, verify calls mixing rows
                    that drafted nothing with rows that did
+    state-handoff  assert_state_handoff_parity on 2 key heads (TP 4 beyond them): prompts prefilled at
+                   TP 1, their states handed to TP 2 and TP 4 (suites/clients/state_handoff.py), 3 decode steps
+    state-handoff-merge  the same from TP 2 to TP 1 (the source ranks' shards merged)
     long-decode    assert_long_decode_parity at TP 1, float32 ranks: 2 sequences, a 5-token
                    prefill, 32 decode steps (the state-dtype rule and the error bound)
     padded         assert_padded_continuation_parity at TP 2: the padded-batch client
@@ -61,7 +64,8 @@ from linattn.layers import build_layer
 from clients.padded import linattn_padded_path
 from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, TrainingStep, assert_continuation_parity,
                                     assert_padded_continuation_parity, assert_sharded_parity,
-                                    assert_spec_decode_parity, assert_state_pool_parity, assert_training_parity)
+                                    assert_spec_decode_parity, assert_state_handoff_parity, assert_state_pool_parity,
+                                    assert_training_parity)
 from pytest_linattn.harness.long_decode import assert_long_decode_parity
 from pytest_linattn.parity import assert_parity
 from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
@@ -120,6 +124,8 @@ CHECKS = {
     "spec-decode": "speculative decoding (`assert_spec_decode_parity`, TP 2, 3 drafts, 0..3 accepted)",
     "spec-decode-mixed": "speculative decoding, mixed calls (`assert_spec_decode_parity`, TP 2, vLLM's layout, rows "
                          "that drafted nothing beside rows that did)",
+    "state-handoff": "state handoff (`assert_state_handoff_parity`, TP 1 to TP 2 and TP 4, 2 key heads)",
+    "state-handoff-merge": "state handoff (`assert_state_handoff_parity`, TP 2 to TP 1, 2 key heads)",
     "long-decode": "long decode (`assert_long_decode_parity`, float32, 32 steps, state dtype >= float32)",
     "recompute": "TP parity under activation recompute (`assert_sharded_parity(recompute='non-reentrant')`, TP 2)",
     "isolation": "document isolation (`assert_document_isolation`, a decoder stack fed position_ids only)",
@@ -219,6 +225,17 @@ def spec_decode_mixed(spawn, path=None):
     assert_spec_decode_parity(spawn, path or linattn_row_spec_path(CONFIG, SPEC_MIXED_DRAFTS), reference(),
                               [Placement(tp=2)], SPEC_MIXED_PLANS, num_draft=SPEC_MIXED_DRAFTS,
                               hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
+
+
+HANDOFF_STEPS = 3
+
+
+def state_handoff(spawn, path=None, source=Placement(), targets=(Placement(tp=2), Placement(tp=4))):
+    from clients.state_handoff import linattn_handoff_path
+
+    assert_state_handoff_parity(spawn, path or linattn_handoff_path(REPLICATED_CONFIG), replicated_heads_reference(),
+                                source, list(targets), STATE_CU, decode_steps=HANDOFF_STEPS,
+                                hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
 
 
 def long_decode(spawn, path=None):
@@ -323,6 +340,10 @@ def run(spawn, check, subject=None):
         return spec_decode(spawn, subject)
     if check == "spec-decode-mixed":
         return spec_decode_mixed(spawn, subject)
+    if check == "state-handoff":
+        return state_handoff(spawn, subject)
+    if check == "state-handoff-merge":
+        return state_handoff(spawn, subject, Placement(tp=2), (Placement(),))
     if check == "long-decode":
         return long_decode(spawn, subject)
     if check == "padded":

@@ -19,7 +19,8 @@ import torch
 from clients.state_handoff import replicated_state
 from linattn.layers import LayerState, shard_layer_state
 
-__all__ = ["handoff_merging_conv_in_one_shot", "handoff_splitting_conv_flat", "handoff_with_heads_per_rank_floored"]
+__all__ = ["handoff_merging_conv_in_one_shot", "handoff_splitting_conv_flat", "handoff_with_heads_per_rank_floored",
+           "wrong_region"]
 
 
 def handoff_splitting_conv_flat(config, states, source, target, target_tp_rank):
@@ -63,3 +64,41 @@ def handoff_with_heads_per_rank_floored(config, states, source, target, target_t
     value0 = key0 * config.v_heads_per_k_head + r % replicas * local.num_v_heads  # within key head key0's
     recurrent = full.recurrent[:, value0:value0 + local.num_v_heads]
     return LayerState(conv.contiguous(), recurrent.contiguous())
+
+
+# ---- where a plant's handed-off state must be reported wrong (the tests and the registry derive it) ----
+
+
+def _channel_words(config, channel: int) -> str:
+    """The section and head of the replicated layer's conv channel (linattn.layers.state: [q | k | v])."""
+    kd, dk, dv = config.key_dim, config.head_k_dim, config.head_v_dim
+    if channel < 2 * kd:
+        return f"section {'qk'[channel // kd]} key head {channel % kd // dk}"
+    return f"section v value head {(channel - 2 * kd) // dv}"
+
+
+def wrong_region(config, handoff, source, target, tp_rank, field) -> str | None:
+    """Where `handoff`'s state for target rank `tp_rank` first differs from the right one, as the
+    check's report words it (conv: the first wrong channel's section and head; recurrent: the wrong
+    value heads of the first one's key head), found by handing off states whose conv channels and
+    recurrent value heads hold their own global index; None where it is right."""
+    from clients.state_handoff import handoff_by_section
+
+    N, W = 1, config.conv_size - 1
+    conv = torch.arange(config.conv_dim, dtype=torch.float64).view(1, -1, 1).expand(N, -1, W)
+    recurrent = torch.arange(config.num_v_heads, dtype=torch.float64).view(1, -1, 1, 1).expand(
+        N, -1, config.head_k_dim, config.head_v_dim)
+    full = LayerState(conv.contiguous(), recurrent.contiguous())
+    states = [shard_layer_state(full, config, r, source.tp) for r in range(source.tp)]
+    right = handoff_by_section(config, states, source, target, tp_rank)
+    planted = handoff(config, states, source, target, tp_rank)
+    if field == "conv":
+        wrong = torch.nonzero(planted.conv[0, :, 0] != right.conv[0, :, 0]).flatten().tolist()
+        return _channel_words(config, int(right.conv[0, wrong[0], 0])) if wrong else None
+    wrong = torch.nonzero(planted.recurrent[0, :, 0, 0] != right.recurrent[0, :, 0, 0]).flatten().tolist()
+    if not wrong:
+        return None
+    heads = [int(right.recurrent[0, i, 0, 0]) for i in wrong]  # the value heads the rank should hold there
+    key = heads[0] // config.v_heads_per_k_head  # the first wrong one's key head, and its other wrong value heads
+    same = [str(h) for h in heads if h // config.v_heads_per_k_head == key]
+    return f"value head{'s' * (len(same) > 1)} {', '.join(same)} (key head {key})"

@@ -45,13 +45,14 @@ import types
 from collections.abc import Callable
 
 from bug_record import plants_layer as L
+from bug_record import plants_handoff as H
 from bug_record import plants_state as S
 from bug_record import checks
 from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
 from clients.isolation import IgnoresPositionIds
 from clients.per_token_loss import per_token_loss_step
 from linattn.layers import LayerState
-from pytest_linattn.harness import TrainingStep
+from pytest_linattn.harness import Placement, TrainingStep
 from pytest_linattn.harness.continuation_plans import describe_token, plan_cuts
 from clients.padded import linattn_padded_path
 from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
@@ -199,6 +200,20 @@ def _conv_window_of_rejected_drafts(plans=checks.SPEC_MIXED_PLANS, K=checks.SPEC
     return (re.escape(f"call {call} (verify round {r + 1}: ") + r"[^\n]*?" + r"slot \([\d, ]+\), "
             + re.escape(f"sequence {n} ({plans[n]}), state after token {start + j}, {j} of {d} drafts accepted: "
                         f"field conv error"))
+
+
+def _handed_off(plant, source, target, tp_rank, field="conv", config=REPLICATED_CONFIG, cu=checks.STATE_CU):
+    """The state handoff check's line for the plant's state handed to `target`'s rank `tp_rank`
+    (sequence 0, the first wrong), its region derived from the plant (plants_handoff.wrong_region)."""
+    region = H.wrong_region(config, plant, source, target, tp_rank, field)
+    return (re.escape(f"handed-off state at tp{target.tp}, tp_rank {tp_rank}, sequence 0 (a {int(cu[1])}-token "
+                      f"prompt), field {field}: error ") + r"\S+" + re.escape(f"; wrong in {region}") + r"(?=[ ,;])")
+
+
+def _handoff(plant):
+    from clients.state_handoff import linattn_handoff_path
+
+    return lambda: linattn_handoff_path(REPLICATED_CONFIG, plant)
 
 
 # a row whose pads straddle into a continued call: its state after that call is off, then its first token
@@ -561,6 +576,29 @@ BUGS = (
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/spec_decode.py); and around the "
             "engines' own kernels: sglang 0.5.23's accept after target_verify taking the buffers' last step, vLLM "
             "0.33.0's next step handed num_accepted_tokens = 1 + K")),
+    Bug("vllm-55208", "N1", (gh("vllm-project/vllm", 55208), gh("vllm-project/vllm", 37638),
+                             gh("vllm-project/vllm", 37635, "pull")),
+        "heterogeneous prefill / decode TP in disaggregated serving: the conv state ([x|B|C] in Mamba2, [q|k|v] in "
+        "GDN) moved with a flat split of its channels, so a decode rank's slice crosses the sections",
+        "TP (state resharding)", "No", "state-handoff", _handoff(H.handoff_splitting_conv_flat), "stateful",
+        located=_handed_off(H.handoff_splitting_conv_flat, Placement(), Placement(tp=2), 0),
+        fidelity="moved", fidelity_note=("Mamba2's conv state (Falcon-H1) in vLLM's NIXL transfer; planted in the "
+            "project's handoff client of linattn's GDN layer (suites/clients/state_handoff.py)")),
+    Bug("sglang-23746", "N2", (gh("sgl-project/sglang", 23746), gh("sgl-project/sglang", 23744, "pull")),
+        "TP 1 prefill to TP 4 decode: dst_heads_per_rank = 2 // 4 = 0, so every decode rank maps to key head 0 "
+        "(part b, the GDN conv state [K, K, V] sliced across group boundaries, is vllm-55208's flat split)",
+        "TP (state resharding) + key heads", "No", "state-handoff", _handoff(H.handoff_with_heads_per_rank_floored),
+        "stateful", located=_handed_off(H.handoff_with_heads_per_rank_floored, Placement(), Placement(tp=4),
+                                        REPLICATED_CONFIG.key_head_replicas(4)),
+        fidelity="partial", fidelity_note=("part (a), the heads per rank floored to 0, in the project's handoff "
+            "client; part (b) is vllm-55208's plant")),
+    Bug("sglang-22060", "N3", (gh("sgl-project/sglang", 22060),),
+        "the conv state [layers, size+1, conv_dim/tp, W-1] holds 3 segments; the transfer merged the prefill "
+        "ranks' shards in one shot instead of per segment (prefill attn_tp 8 to decode attn_tp 1)",
+        "TP (state resharding)", "No", "state-handoff-merge", _handoff(H.handoff_merging_conv_in_one_shot), "stateful",
+        located=_handed_off(H.handoff_merging_conv_in_one_shot, Placement(tp=2), Placement(), 0),
+        fidelity="faithful", fidelity_note=("in the project's handoff client (suites/clients/state_handoff.py), TP 2 "
+            "to TP 1, not sglang's transfer code")),
     Bug("vllm-56531", "N5", (gh("vllm-project/vllm", 56531, "pull"), gh("vllm-project/vllm", 40875),
                              gh("vllm-project/vllm", 55504, "pull"), gh("vllm-project/vllm", 39273)),
         "in a batch mixing speculative rows with rows that drafted nothing, the undrafted rows took the non-spec "

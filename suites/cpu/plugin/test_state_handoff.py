@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bug_record.plants_handoff import (handoff_merging_conv_in_one_shot, handoff_splitting_conv_flat,
-                                       handoff_with_heads_per_rank_floored)
+                                       handoff_with_heads_per_rank_floored, wrong_region)
 from cases.layer_parity import linattn_layer, make_config, replicated_layer
 from clients.state_handoff import handoff_by_section, linattn_handoff_path
 from linattn.layers import LayerState, shard_layer_state
@@ -49,31 +49,8 @@ def failure(spawn, source, targets, handoff) -> str:
 # ---- where a plant must be located, from the config and the plant -------------------------------
 
 
-def global_channel_words(channel: int) -> str:
-    """The section and head of the replicated layer's conv channel (linattn.layers.state: [q | k | v])."""
-    kd, dk, dv = CONFIG.key_dim, CONFIG.head_k_dim, CONFIG.head_v_dim
-    if channel < 2 * kd:
-        return f"section {'qk'[channel // kd]} key head {channel % kd // dk}"
-    return f"section v value head {(channel - 2 * kd) // dv}"
-
-
 def first_wrong(handoff, source, target, tp_rank, field) -> str | None:
-    """Where the plant's handed-off state first differs from the right one (in the target rank's
-    order): states whose conv channels and recurrent value heads hold their global index."""
-    N, W = 1, CONFIG.conv_size - 1
-    conv = torch.arange(CONFIG.conv_dim, dtype=torch.float64).view(1, -1, 1).expand(N, -1, W)
-    recurrent = torch.arange(CONFIG.num_v_heads, dtype=torch.float64).view(1, -1, 1, 1).expand(
-        N, -1, CONFIG.head_k_dim, CONFIG.head_v_dim)
-    full = LayerState(conv.contiguous(), recurrent.contiguous())
-    states = [shard_layer_state(full, CONFIG, r, source.tp) for r in range(source.tp)]
-    right = handoff_by_section(CONFIG, states, source, target, tp_rank)
-    planted = handoff(CONFIG, states, source, target, tp_rank)
-    if field == "conv":
-        wrong = torch.nonzero(planted.conv[0, :, 0] != right.conv[0, :, 0]).flatten().tolist()
-        return global_channel_words(int(right.conv[0, wrong[0], 0])) if wrong else None
-    wrong = torch.nonzero(planted.recurrent[0, :, 0, 0] != right.recurrent[0, :, 0, 0]).flatten().tolist()
-    head = int(right.recurrent[0, wrong[0], 0, 0]) if wrong else None
-    return None if head is None else f"value head {head} (key head {head // CONFIG.v_heads_per_k_head})"
+    return wrong_region(CONFIG, handoff, source, target, tp_rank, field)
 
 
 def located(target, tp_rank, field, region) -> str:
@@ -108,7 +85,8 @@ def test_flat_conv_split_is_located_by_section_and_head(spawn):
     assert "field recurrent" not in report.split("decoded outputs")[0]  # the recurrent state moved right
     flat, local = CONFIG.conv_dim // 4, CONFIG.local(4).conv_dim
     assert re.search(rf"handed-off state at tp4, tp_rank 0: handoff returned field conv of shape \(3, {flat}, 3\); "
-                     rf"the target rank's layout \(shard_state of the reference's state\) has \(3, {local}, 3\)", report)
+                     rf"the target rank's layout \(shard_state of the reference's state\) has \(3, {local}, 3\)",
+                     report)
     assert "no decode step ran at tp4" in report
 
 
