@@ -126,6 +126,60 @@ def test_sglang_gdn_pool_with_chunked_prefill(spawn):
     check(spawn, sglang_pool_path(CONFIG, prefill_recurrence="chunk"), "sglang-gdn-chunk")
 
 
+@needs(SGLANG)
+@pytest.mark.parametrize("decode_kernel", ["packed", "fused_sigmoid_gating"])
+def test_sglang_kda_pool_matches_the_float64_layer(spawn, decode_kernel):
+    from clients.engines.sglang_gdn import chunk_unavailable_reason
+    from clients.engines.sglang_kda import kda_pool_reference_forward, sglang_kda_pool_path
+
+    if chunk_unavailable_reason():  # its prefill is chunk_kda: runs compiled on a GPU (suites/gpu-1)
+        pytest.skip(chunk_unavailable_reason())
+    assert_state_pool_parity(spawn, sglang_kda_pool_path(KDA_CONFIG, decode_kernel), replicated_layer(KDA_CONFIG, 41),
+                             [Placement()], CU, plans=PLANS, hidden_size=KDA_CONFIG.hidden_size, seed=42, rtol=RTOL,
+                             max_live=2, capture_sizes=CAPTURE_SIZES, dtype=torch.float32,
+                             reference_forward=kda_pool_reference_forward, name=f"sglang-kda-{decode_kernel}")
+
+
+@needs(SGLANG)
+@pytest.mark.parametrize("decode_kernel", ["packed", "fused_sigmoid_gating"])
+def test_sglang_kda_decode_from_slots_matches_the_float64_step(decode_kernel):
+    """sglang's KDA decode kernels where its chunked prefill cannot run (this CPU's Triton): one
+    decode call of 3 rows from random slot states in sglang's KDA pool layout (conv `[W-1, dim]`)
+    and a padding row at -1, against the float64 layer's decode step; the padding row's slot (the
+    pool's last, -1's) bitwise unchanged."""
+    from clients.engines.layout import call_with_pool, to_engine_state
+    from clients.engines.sglang_kda import SglangKDA, _kda_pool_layout
+    from linattn.layers import LayerState
+    from pytest_linattn.parity import assert_parity
+
+    reference = replicated_layer(KDA_CONFIG, 41)
+    module = SglangKDA(KDA_CONFIG, dtype=torch.float32)
+    module.load_state_dict(reference.state_dict())
+    module.decode_kernel = decode_kernel
+    gen = torch.Generator().manual_seed(44)
+    rows = 3
+    state = LayerState(torch.randn(rows, KDA_CONFIG.conv_dim, KDA_CONFIG.conv_size - 1, generator=gen, dtype=torch.float64),
+                       0.3 * torch.randn(rows, KDA_CONFIG.num_v_heads, KDA_CONFIG.head_k_dim, KDA_CONFIG.head_v_dim,
+                                         generator=gen, dtype=torch.float64))
+    x = torch.randn(1, rows + 1, KDA_CONFIG.hidden_size, generator=gen, dtype=torch.float64)
+    y_ref, new_ref = reference.step(x[:, :rows], state)
+    slots = torch.tensor([2, 0, 1, -1], dtype=torch.int32)  # row i in slot slots[i], then a padding row
+    rows_state = _kda_pool_layout(to_engine_state(state))
+    # a 4th slot of large values: the pool's last, where -1 would land
+    pool = LayerState(*(torch.cat([torch.empty_like(f), 100 + f[:1]]).float() for f in rows_state))
+    for f, r in zip(pool, rows_state):
+        f[slots[:rows].long()] = r.float()
+    untouched = [f[-1].clone() for f in pool]
+    with torch.no_grad():
+        y = call_with_pool(module, x.float(), torch.arange(rows + 2, dtype=torch.int32), kind="decode", pool=pool,
+                           slots=slots)
+    got = _kda_pool_layout(LayerState(*(f[slots[:rows].long()].double() for f in pool)))
+    assert_parity({"output": y[:, :rows].double(), "conv": got.conv, "recurrent": got.recurrent.transpose(-1, -2)},
+                  {"output": y_ref, "conv": new_ref.conv, "recurrent": new_ref.recurrent}, rtol=RTOL,
+                  name=f"sglang-kda-decode-{decode_kernel}")
+    assert all(torch.equal(f[-1], u) for f, u in zip(pool, untouched)), "the padding row (-1) changed the last slot"
+
+
 # speculative decoding: a bonus token and 2 drafts per verify call, drafts accepted 0, 1 or 2
 NUM_DRAFT = 2
 SPEC_PLANS = [SpecPlan((3,), (2, 0)), SpecPlan((1, 2), (1, 2)), SpecPlan((4,), (0,))]

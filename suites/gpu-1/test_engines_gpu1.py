@@ -22,7 +22,10 @@ Cases (each in bf16 and in float32 where the engine takes float32):
   where not), decode on fused_sigmoid_gating_delta_rule_update or the packed decode; padding
   rows at -1;
 - sglang GDN speculative decoding: target_verify with intermediate buffers, the accepted step
-  copied into the slot.
+  copied into the slot;
+- sglang KDA pool: causal_conv1d_fn / causal_conv1d_update on its `[W-1, dim]` conv pool,
+  chunk_kda from the slots in place (its tl.make_block_ptr runs on Triton 3.6), decode on the
+  packed kernel or fused_sigmoid_gating_delta_rule_update(is_kda=True).
 
 Bounds (relative Frobenius error per tensor, as every check of the harness):
 - bf16: BF16_RTOL (cases.gpu), the bound of the fla serving and spec-decode GPU tests: the same
@@ -206,6 +209,18 @@ def test_sglang_gdn_pool_with_chunked_prefill(spawn, dtype):
     if chunk_unavailable_reason():  # Triton's language: compiled kernels too
         pytest.skip(chunk_unavailable_reason())
     check_pool(spawn, sglang_pool_path(CONFIG, prefill_recurrence="chunk"), "sglang-gdn-chunk", dtype)
+
+
+@needs(SGLANG)
+@pytest.mark.parametrize("dtype", dtypes())
+@pytest.mark.parametrize("decode_kernel", ["packed", "fused_sigmoid_gating"])
+def test_sglang_kda_pool_matches_the_float64_layer(spawn, decode_kernel, dtype):
+    from clients.engines.sglang_kda import kda_pool_reference_forward, sglang_kda_pool_path
+
+    assert_state_pool_parity(spawn, sglang_kda_pool_path(KDA_CONFIG, decode_kernel), reference(KDA_CONFIG, dtype),
+                             [Placement()], CU, plans=PLANS, hidden_size=KDA_CONFIG.hidden_size, seed=42,
+                             rtol=rtol(KDA_CONFIG, dtype), max_live=2, capture_sizes=CAPTURE_SIZES, dtype=DTYPES[dtype],
+                             reference_forward=kda_pool_reference_forward, name=f"sglang-kda-{decode_kernel}-{dtype}")
 
 
 @needs(SGLANG)

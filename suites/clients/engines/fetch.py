@@ -102,6 +102,11 @@ SGLANG = Release(
         "sglang/kernels/ops/attention/fla/utils.py",
         "sglang/kernels/ops/attention/fla/wy_fast.py",
         "sglang/kernels/ops/mamba/causal_conv1d_triton.py",
+        # KDA's chunked prefill (chunk_kda) and what it imports
+        "sglang/kernels/ops/attention/fla/kda.py",
+        "sglang/kernels/ops/attention/fla/chunk_intra.py",
+        "sglang/kernels/ops/attention/fla/chunk_intra_token_parallel.py",
+        "sglang/kernels/ops/attention/fla/fused_norm_gate.py",
     ))
 
 RELEASES = (VLLM, SGLANG)

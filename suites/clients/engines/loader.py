@@ -9,7 +9,8 @@ Two kinds of stand-ins, nothing else:
 - bare packages: each package on the way to a kernel module is registered as an empty module
   whose `__path__` is the real folder, so `import vllm.x.y` finds the real `vllm/x/y.py` but
   never runs `vllm/__init__.py` (which imports the whole engine and its compiled extensions);
-- stub modules for a few incidental imports: platform probes (CUDA and the device's capability
+- stub modules for a few incidental imports (and one CUDA fast path that the clients' shapes never
+  take): platform probes (CUDA and the device's capability
   where the kernels are compiled for a GPU, no CUDA under the interpreter; no ROCm; never
   `is_cpu()`: vLLM's causal_conv1d.py:1131-1137 swaps its Triton functions for vllm._C CPU ops
   when it is), re-exports of triton, and constants copied from modules that import the engine.
@@ -210,6 +211,10 @@ def _prepare(release: Release) -> None:
               cdiv=lambda a, b: -(a // -b), next_power_of_2=lambda n: 1 if n <= 1 else 1 << (n - 1).bit_length())
         # sglang/srt/utils/common.py:120 computes this; that file imports 70 modules of the engine
         _stub("sglang.srt.utils.common", torch_release=version.parse(torch.__version__).release)
+        # the KDA packed decode's CUDA fast path, a JIT-compiled extension (kernels/ops/attention/
+        # kda_packed_decode.py): its `covered` takes only head dims of 128 and batches past a minimum,
+        # which no client here has, so it answers what the real one would: the Triton kernel runs
+        _stub("sglang.kernels.ops.attention.kda_packed_decode", covered=lambda *args, **kwargs: False)
     _ready.add(release.engine)
 
 
