@@ -186,6 +186,17 @@ def prefill_without_track_snapshots(module, x, cu_seqlens, pool, slots, fresh, p
     return pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, None, prefix_slots)
 
 
+def prefill_hit_from_an_empty_state(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots,
+                                    prefix_slots):
+    """vLLM #43090 (a state-pool client's prefill in prefix mode): the prefix cache's coordinator
+    keeps one hit length for every layer group; the attention group hit, the Mamba group missed,
+    and with num_computed_tokens > 0 the layer is told the sequence has an initial state, yet its
+    state was never restored: it recurs from an empty (zero) state past the prefix."""
+    hit = prefix_slots >= 0
+    return pool_prefill(module, x, cu_seqlens, pool, slots, fresh | hit.to(fresh.device), placement, snapshot_slots,
+                        None)
+
+
 def accept_keeping_rejected_drafts(module, pool, slots, num_accepted_tokens, placement):
     """sglang #27658 / #40419, vllm-ascend #12255 (the spec-decode client's accept,
     `SpecDecodePath.accept`): the slot keeps the state the verify call advanced through all K

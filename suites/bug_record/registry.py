@@ -166,9 +166,10 @@ PREFIX_CALL = (r"call \d+ \(prefill of sequences \[[\d, ]+\] in slots \[[\d, ]+\
 # a prefix hit's call writing the block it read from
 PREFIX_BLOCK_WRITTEN = (PREFIX_CALL + r" changed prefix block slot \d+ \(the snapshot of sequence \d+ at token \d+\), "
                         r"which it read from: field conv, max \|change\| \S+ \(rank \d\)")
-# a snapshot slot left as it was: not the state at its block boundary
-SNAPSHOT_WRONG = (PREFIX_CALL + r": the snapshot of sequence \d+ \([^)]*\) at token \d+ in slot \d+ is not the state "
-                  r"there: field \w+ error \S+")
+# a snapshot slot left as it was: not the state at its block boundary, from the first snapshot (the
+# first sequence's, at the first block boundary: bug_record.checks.PREFIX_PLANS, PREFIX_BLOCK)
+SNAPSHOT_WRONG = (PREFIX_CALL + r": the snapshot of sequence 0 \([^)]*\) at token " + str(checks.PREFIX_BLOCK)
+                  + r" in slot \d+ is not the state there: field \w+ error \S+")
 # a verify call's slot left holding a state past its accepted drafts
 SPEC_STATE = (r"call \d+ \(verify round \d+: 3 drafts each of sequences \[[\d, ]+\] in slots \[[\d, ]+\], accepted "
               r"\[[\d, ]+\]\): slot \d+, sequence \d+ \([^)]*\), state after token \d+, [012] of 3 drafts accepted: "
@@ -214,6 +215,17 @@ def _handoff(plant):
     from clients.state_handoff import linattn_handoff_path
 
     return lambda: linattn_handoff_path(REPLICATED_CONFIG, plant)
+
+
+def _hit_from_an_empty_state(plans=checks.PREFIX_PLANS, hits=checks.PREFIX_HITS):
+    """vLLM #43090's plant: the snapshots of the sequence hit (written before any hit) stay right, no
+    prefix block changes, and the outputs go wrong from the first prefix hit's first computed token,
+    in the call that ran its first chunk (a hit that snapshots later snapshots its wrong state)."""
+    n = min(hits)
+    source, tokens = hits[n]
+    return (rf"\A(?![\s\S]*the snapshot of sequence {source} \()(?![\s\S]*changed prefix block)[\s\S]*?"
+            + re.escape(f"first wrong token: sequence {n} ({plans[n]}) token {tokens}, call ") + r"\d+ "
+            + PREFIX_CALL[len(r"call \d+ "):])
 
 
 # a row whose pads straddle into a continued call: its state after that call is off, then its first token
@@ -567,6 +579,13 @@ BUGS = (
         "stateful", located=SNAPSHOT_WRONG,
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not sglang's "
             "code")),
+    Bug("vllm-43090", "N15", (gh("vllm-project/vllm", 43090),),
+        "the attention group hits the prefix cache, the Mamba group misses; the coordinator keeps one scalar "
+        "num_computed_tokens > 0, so has_initial_states is true and the Mamba layer recurs from an empty state "
+        "(granite-4.0-tiny, cached vs uncached logits)", "state pool (prefix cache)", "No", "state-pool-prefix",
+        _pool(prefill=S.prefill_hit_from_an_empty_state), "stateful", located=_hit_from_an_empty_state(),
+        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not vLLM's "
+            "KV-cache coordinator: the hit's state is never restored")),
     Bug("spec-decode-verify", "29", (gh("sgl-project/sglang", 27658), gh("sgl-project/sglang", 40419),
                                      gh("vllm-project/vllm-ascend", 12255), gh("NVIDIA/TensorRT-LLM", 13782)),
         "spec-decode verify keeps the state advanced by rejected drafts", "MTP / spec decode", "No",
