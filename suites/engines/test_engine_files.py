@@ -46,5 +46,5 @@ def test_a_module_outside_the_fetched_files_is_named():
         pytest.skip("the releases were not fetched")
     with pytest.raises(EngineFilesError, match=r"^vllm 0.33.0: importing vllm.v1.attention.backends.gdn_attn from"):
         load_vllm("vllm.v1.attention.backends.gdn_attn")
-    with pytest.raises(EngineFilesError, match=r"^sglang 0.5.23: importing sglang.kernels.ops.attention.fla.kda"):
-        load_sglang("sglang.kernels.ops.attention.fla.kda")
+    with pytest.raises(EngineFilesError, match=r"^sglang 0.5.23: importing sglang.kernels.ops.attention.fla.layernorm_gated"):
+        load_sglang("sglang.kernels.ops.attention.fla.layernorm_gated")

@@ -126,4 +126,95 @@ LIVE_BUGS = (
         shows=r"with the indices vs without them: output 0\.00e\+00[\s\S]*given the same indices: output "
               r"[1-9]\.\d+e(\+\d\d|-0[0-2])",
         line=r"with the indices vs without them"),
+    LiveBug(
+        "vllm-spec-zero-accepted-previous-row", "vllm==0.33.0",
+        "`fused_sigmoid_gating_delta_rule_update`'s kernel "
+        "(`vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py:106-110`) and "
+        "`fused_recurrent_gated_delta_rule`'s (`ops/fused_recurrent.py:107-111`): the first state's slot is "
+        "`ssm_state_indices[n * stride_indices_seq + num_accepted_tokens[n] - 1]`",
+        "verify call with `[N, 1 + K]` state indices: a row given num_accepted_tokens = 0 starts from the previous "
+        "row's last slot (row 0: the int before the tensor), without an error; its output and slots change with "
+        "row 0's slots",
+        "suites/engines/test_engine_contracts.py::test_a_verify_row_reads_only_its_own_slots"
+        "[accepted-1-0-fused_sigmoid_gating]",
+        "wrong result outside the callers' contract",
+        "vLLM's callers pass >= 1: the runner counts each row's sampled tokens (`v1/worker/gpu_model_runner.py:1566`; "
+        "the rejection sampler writes every row's first token, `v1/sample/rejection_sampler.py:821-845`, `:926-966`), "
+        "sets 1 for new and unused rows (`gpu_model_runner.py:2086`, `:2095`, `:2100-2101`), and the GDN builder "
+        "pads with 1 (`v1/attention/backends/gdn_attn.py:655`) before Qwen3-Next's call "
+        "(`model_executor/layers/mamba/gdn/qwen_gdn_linear_attn.py:1760`) and OLMo-hybrid's "
+        "(`olmo_gdn_linear_attn.py:443`); the kernels' docstring (`fused_recurrent.py:578`) states no lower "
+        "bound and nothing refuses 0",
+        repro="suites/live_bugs/vllm_spec_decode_zero_accepted_reads_previous_row.py",
+        repro_note="vLLM's kernel files from the pinned wheel (`clients.engines.loader`) under Triton's interpreter "
+                   "on a CPU (compiled on CUDA); the interpreter runs row 0's programs first, on a GPU row 1's load "
+                   "races row 0's store",
+        shows=r"vs the loop from its first slot 3: output [1-9]\.\d+e(\+\d\d|-0[0-2])[\s\S]*?vs the loop from "
+              r"row 0's last state \(slot 2\): output \d\.\d+e-0[6-9], slot 4 \d\.\d+e-0[6-9]",
+        line=r"vs the loop from its first slot 3"),
+    LiveBug(
+        "vllm-flat-indices-multi-token-store", "vllm==0.33.0",
+        "`fused_sigmoid_gating_delta_rule_update`'s in-place store "
+        "(`vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py:157-166`: the state after token t "
+        "at slot `ssm_state_indices[n * stride_indices_seq + t]`; `stride_indices_tok`, `:237`, passed at `:271`, "
+        "never read) and `fused_recurrent_gated_delta_rule`'s (`ops/fused_recurrent.py:153-162`)",
+        "1-D ssm_state_indices (one slot per sequence), sequences of 2 and 1 tokens: sequence 0's slot keeps its "
+        "state after token 0, its final state lands in sequence 1's slot, and sequence 1 runs from it",
+        "suites/engines/test_engine_contracts.py::test_flat_state_indices_keep_each_sequence_in_its_slot"
+        "[tokens-2-1-fused_sigmoid_gating]",
+        "wrong result outside the callers' contract",
+        "the docstring covers the case (`fused_recurrent.py:576`: the indices \"map the input sequences to the "
+        "initial/final states\"), but vLLM's callers pass 1-D indices with one token per sequence only: the GDN "
+        "builder's decodes are 1-token rows (`v1/attention/backends/gdn_attn.py:375`, `:410`), longer rows go the "
+        "speculative path with `[N, 1 + K]` indices (`qwen_gdn_linear_attn.py:1760`, `olmo_gdn_linear_attn.py:443`) "
+        "or the chunked prefill",
+        repro="suites/live_bugs/vllm_flat_state_indices_multi_token_store.py",
+        repro_note="vLLM's kernel files from the pinned wheel (`clients.engines.loader`) under Triton's interpreter "
+                   "on a CPU (compiled on CUDA); the interpreter runs sequence 0's programs first, on a GPU the two "
+                   "race on slot 4",
+        shows=r"sequence 1 \(1 token, slot 4\): output [1-9]\.\d+e(\+\d\d|-0[0-2]), slot 4 "
+              r"[1-9]\.\d+e(\+\d\d|-0[0-2]); as if started from sequence 0's final state: output \d\.\d+e-0[6-9]"),
+    LiveBug(
+        "vllm-sigmoid-gating-kda-gate-stride", "vllm==0.33.0",
+        "`fused_sigmoid_gating_delta_rule_update(is_kda=True)` "
+        "(`vllm/third_party/flash_linear_attention/ops/fused_sigmoid_gating.py:92`: KDA's gate pointer "
+        "`a + (bos * HV + i_hv) * K + o_k`; `:178`: `p_a += HV` after each token)",
+        "is_kda=True, one sequence of 3 tokens against linattn's float64 KDA: token 0 right, tokens 1 and 2 off "
+        "(errors ~0.5 to 0.7): they read the gate HV values on, not HV * K",
+        "suites/engines/test_engine_contracts.py::test_fused_sigmoid_gating_kda_matches_the_float64_kda[tokens-3]",
+        "latent (no caller)",
+        "no caller in vLLM 0.33.0 passes is_kda=True: Qwen3-Next's layer keeps the default False "
+        "(`qwen_gdn_linear_attn.py:1760`, `:1787`, `:1882`), the Triton warm-up passes False "
+        "(`model_executor/warmup/qwen_triton_warmup.py:279`), and the KDA models run their own KDA kernels "
+        "(`models/kimi_k3/nvidia/ops/third_party/kda/fused_recurrent.py`); with one token per sequence (decode) "
+        "the kernel is right, so only a multi-token KDA call (a verify) reaches it",
+        repro="suites/live_bugs/vllm_fused_sigmoid_gating_kda_gate_stride.py",
+        repro_note="vLLM's kernel files from the pinned wheel (`clients.engines.loader`) under Triton's interpreter "
+                   "on a CPU (compiled on CUDA)",
+        shows=r"vs the loop \(token t's gate at a\[t\]\): output per token \d\.\d+e-0[6-9], "
+              r"[1-9]\.\d+e(\+\d\d|-0[0-2])[\s\S]*?vs the loop given the gate read HV on per token: output per "
+              r"token \d\.\d+e-0[6-9], \d\.\d+e-0[6-9], \d\.\d+e-0[6-9]",
+        line=r"vs the loop \(token t's gate at a\[t\]\)"),
+    LiveBug(
+        "vllm-conv-update-slot-minus-1", "vllm==0.33.0",
+        "`causal_conv1d_update`'s kernel (`vllm/model_executor/layers/mamba/ops/causal_conv1d.py:698-704`: skips a "
+        "row only at slot `== null_block_id`; `:785`: the load mask checks `slot < num_cache_lines`, nothing below "
+        "0; `:808-816`: the store, no bound on the slot)",
+        "a decode row at slot -1 (sglang's and older vLLM's PAD_SLOT_ID): its output is the conv of the W - 1 "
+        "columns before the pool, and its shifted window is stored there, out of bounds, without an error",
+        "suites/engines/test_engine_contracts.py::test_conv_update_padding_row_touches_nothing_outside_its_rows"
+        "[pad-slot-minus-1]",
+        "wrong result outside the callers' contract",
+        "vLLM 0.33.0 pads with NULL_BLOCK_ID = 0 (`v1/attention/backends/utils.py:55`): the builders of every layer "
+        "that calls the conv fill padding rows with it (GDN `gdn_attn.py:623`, `:664`; Mamba `mamba_attn.py:656`; "
+        "short conv `short_conv_attn.py:450`), and the function documents null_block_id as the padding mark "
+        "(`causal_conv1d.py:994-996`); PAD_SLOT_ID = -1 pads only the Bailing linear-attention backend's indices "
+        "(`v1/attention/backends/linear_attn.py:247-271`), whose layers call no conv",
+        repro="suites/live_bugs/vllm_causal_conv1d_update_negative_slot.py",
+        repro_note="vLLM's kernel files from the pinned wheel (`clients.engines.loader`) under Triton's interpreter "
+                   "on a CPU (compiled on CUDA); the pool a view of a larger buffer, so the write before it lands in "
+                   "memory the script owns and is seen (the interpreter raises no bounds error)",
+        shows=r"row 1 \(slot -1\): output vs the loop from the row before the pool \(buffer\[0\]\): "
+              r"\d\.\d+e-0[6-9][\s\S]*?the row before the pool, which no slot names: max \|change\| "
+              r"[1-9]\.\d+e(\+\d\d|-0[0-2])"),
 )

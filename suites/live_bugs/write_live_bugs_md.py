@@ -3,12 +3,14 @@
     .venv/bin/python suites/live_bugs/write_live_bugs_md.py
 
 For each entry of `suites/live_bugs/registry.py`: checks that the installed release is the entry's
-pinned one, runs its standalone repro (`python <repro>`, in a process of its own, with the entry's
-timeout), keeps its output (stdout) and the seconds it took, and checks that the output shows the
-bug (`LiveBug.shows`); an entry whose demonstration needs a GPU quotes the docs/results.md row that
-measured it (`LiveBug.gpu_evidence`). Then writes the table with the date, the git commit and the
-command. Nothing in docs/live-bugs.md is typed by hand; the generator stops, writing nothing, where a
-repro fails, times out or no longer shows its bug, or a release is not the pinned one.
+pinned one (for vLLM and sglang, whose kernel files the repros load from .engines/, that the fetched
+files are the pinned wheel's), runs its standalone repro (`python <repro>`, in a process of its own,
+with the entry's timeout), keeps its output (stdout) and the seconds it took, and checks that the
+output shows the bug (`LiveBug.shows`); an entry whose demonstration needs a GPU quotes the
+docs/results.md row that measured it (`LiveBug.gpu_evidence`). Then writes the table with the date,
+the git commit and the command. Nothing in docs/live-bugs.md is typed by hand; the generator stops,
+writing nothing, where a repro fails, times out or no longer shows its bug, or a release is not the
+pinned one.
 """
 
 from __future__ import annotations
@@ -43,8 +45,16 @@ def _commit() -> str:
 
 
 def installed(release: str) -> str:
-    """The installed version of `release`'s distribution ("package==version" -> "version")."""
+    """The installed version of `release`'s distribution ("package==version" -> "version"). A serving
+    engine (vLLM, sglang) is not installed: its repros load the kernel files `clients.engines.fetch`
+    unpacked from the pinned wheel into .engines/, so its version is the fetched release's where those
+    files are there as the wheel recorded them."""
+    from clients.engines.fetch import RELEASES, is_fetched
+
     package = release.partition("==")[0]
+    engine = next((r for r in RELEASES if r.engine == package), None)
+    if engine is not None:
+        return engine.version if is_fetched(engine) else "not fetched"
     try:
         return importlib.metadata.version(package)
     except importlib.metadata.PackageNotFoundError:
@@ -118,8 +128,8 @@ def render(rows: dict[str, dict], date: str, commit: str, seconds: float) -> str
         f"{len(LIVE_BUGS) - len(with_repro)} on a GPU only.**",
         "",
         f"Generated on {date} at commit {commit} by `{COMMAND}` (the repros' run took {seconds:.0f} s on this",
-        "page's machine, a CPU; fla's kernels under Triton's interpreter). Nothing on this page is typed by",
-        "hand; do not edit it.",
+        "page's machine, a CPU; fla's and vLLM's kernels under Triton's interpreter). Nothing on this page is",
+        "typed by hand; do not edit it.",
         "",
         "| # | release | kernel or layer | what the check reports | repro | measured | verdict | why | upstream |",
         "|---|---|---|---|---|---|---|---|---|",
