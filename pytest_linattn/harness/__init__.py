@@ -36,8 +36,11 @@ pytest:
                          between the placements' ranks, the handed-off state located by rank,
                          sequence, field and head (`StateHandoffPath`, `assert_state_handoff_parity`)
     state_handoff_rank   ... and what each rank runs
+    batch_invariance     N identical requests in one batch: bitwise identical rows and states, equal
+                         to the request alone and to the float64 reference (`assert_batch_invariance`)
 """
 
+from .batch_invariance import assert_batch_invariance
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
 from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
 from .isolation import PackedDocuments, assert_document_isolation
@@ -55,5 +58,6 @@ __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer",
            "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
            "long_decode_errors", "PackedDocuments", "assert_document_isolation", "StateHandoffPath",
            "assert_state_handoff_parity",
+           "assert_batch_invariance",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

@@ -199,7 +199,8 @@ def describe_call(i, call) -> str:
         return f"call {i} (prefill of sequences {list(call.sequences)} in slots {list(call.slots)}{extra})"
     rows = list(call.slots[call.num_valid:])
     return (f"call {i} (decode of sequences {list(call.sequences)} in slots {list(call.slots[:call.num_valid])}, "
-            f"padded to {len(call.slots)} rows" + (f" with padding rows at slots {rows})" if rows else ")"))
+            f"padded to {len(call.slots)} row{'s' * (len(call.slots) > 1)}"
+            + (f" with padding rows at slots {rows})" if rows else ")"))
 
 
 def snapshots_of(call, bounds):

@@ -106,6 +106,13 @@ class StatePoolPath:
         slot). Default None: -1, slot 0 and a free slot in turn.
     reserved_slots: slots never given to a sequence, the engine's scratch (vLLM: (0,)): a call may
         change them; every other slot it does not schedule must stay bitwise unchanged. Default ().
+    capture(module, pool, batch_size, placement) -> replay: captured steps, as a CUDA-graph runner
+        decodes (give `decode` None then). Called once per padded batch size, at that size's first
+        decode call: the client sets up its static buffers (on CUDA it captures its decode of
+        `batch_size` rows into a torch.cuda.CUDAGraph); `replay(x, slots, num_valid) -> y` then runs
+        every decode call of that size, refilling the static buffers from the call's inputs (as
+        decode's). Between the replays of one size the batch's layout changes (its valid rows,
+        their slots, the padding rows), as between a captured graph's replays in an engine.
     """
 
     layer: ShardedLayer
@@ -116,12 +123,18 @@ class StatePoolPath:
     state_dtypes: dict | None = dataclasses.field(default=None, hash=False)  # a dict: left out of the hash
     padding_slot: int | str | None = None
     reserved_slots: tuple = ()
+    capture: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
             raise ValueError(f"StatePoolPath.layer must be a ShardedLayer, got {type(self.layer).__name__}")
-        for field in ("prefill", "decode"):
-            if not callable(getattr(self, field)):
+        if not callable(self.prefill):
+            raise ValueError(f"StatePoolPath.prefill must be callable, got {self.prefill!r}")
+        if (self.decode is None) == (self.capture is None):
+            raise ValueError("StatePoolPath takes decode or capture (captured steps), one of them: got "
+                             + ("both" if self.decode is not None else "neither"))
+        for field in ("decode", "capture"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
                 raise ValueError(f"StatePoolPath.{field} must be callable, got {getattr(self, field)!r}")
         if (self.shard_state is None) != (self.unshard_state is None):
             raise ValueError("StatePoolPath.shard_state and unshard_state are given together (or neither: tp = 1 only)")

@@ -2,7 +2,8 @@
 the pool (each field in its dtype: the path's `state_dtypes`, else the case's), then every call
 in order, each followed by a comparison of every slot the call did not schedule with its value
 before it (bitwise: live and free slots alike; the path's reserved slots, an engine's scratch,
-excepted); a finishing sequence's slot is copied out as its final state. Under CP a prefill call
+excepted); a finishing sequence's slot is copied out as its final state. With captured steps
+(the path's `capture`) each padded batch size is captured once and its decode calls replayed. Under CP a prefill call
 runs this CP rank's piece of its tokens (a filler appended where they do not divide by cp:
 `prefill_on_rank`), a decode call runs whole, and the pool is whole (TP-sharded) on every CP rank.
 The test process (`pytest_linattn.harness.state_pool`) judges. No pytest."""
@@ -104,6 +105,7 @@ def run_pool_on_rank(case: RankPool) -> dict:
     final = [torch.zeros((num_sequences,) + tuple(t.shape[1:]), dtype=t.dtype) for t in pool]
     changed, snapshots, changed_blocks = [], {}, []
     reserved = set(getattr(path, "reserved_slots", ()))  # the engine's scratch: may change in any call
+    replays = {}  # captured steps: batch size -> the client's replay
     with torch.no_grad():
         for i, call in enumerate(case.calls):
             before = [t.clone() for t in pool]
@@ -116,7 +118,13 @@ def run_pool_on_rank(case: RankPool) -> dict:
                 tokens = call.tokens[positions]
             else:
                 x_call = torch.cat([x[:, call.tokens], call.pad_x.to(device, case.dtype)], dim=1)
-                y = path.decode(module, x_call, pool, slots, call.num_valid, p)[:, :call.num_valid]
+                if path.capture is not None:  # captured steps: one replay per padded batch size
+                    if x_call.shape[1] not in replays:
+                        replays[x_call.shape[1]] = path.capture(module, pool, x_call.shape[1], p)
+                    y = replays[x_call.shape[1]](x_call, slots, call.num_valid)
+                else:
+                    y = path.decode(module, x_call, pool, slots, call.num_valid, p)
+                y = y[:, :call.num_valid]
                 tokens = call.tokens
                 decoded[tokens] = True
             y_out[:, tokens] = y.detach().cpu().to(case.dtype)

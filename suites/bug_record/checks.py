@@ -19,6 +19,9 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     continuation-fp32  the same with the ranks' layer in float32 (<= 1e-5)
     state-pool     assert_state_pool_parity at TP 2: the slot-pool client (suites/clients/state_pool.py),
                    2 sequences live at once (slots freed and reused), decode padded to 4 rows
+    state-pool-captured  assert_state_pool_parity at TP 2 with captured decode steps (the pool client's
+                   CUDA-graph runner, suites/clients/state_pool.py): decode padded to 1 or 2 rows, each size
+                   captured once and replayed, static buffers of 4 rows
     state-pool-prefix  assert_state_pool_parity at TP 2 in prefix mode: blocks of 4 tokens, 2 prefix
                    hits (one with a 2-token chunk, shorter than W-1), snapshots and shared blocks checked
     spec-decode    assert_spec_decode_parity at TP 2: the slot-pool client with verify and accept
@@ -120,6 +123,8 @@ CHECKS = {
     "continuation": "continuation (`assert_continuation_parity`, TP 2, float64)",
     "continuation-fp32": "continuation (`assert_continuation_parity`, TP 2, float32 at 1e-5)",
     "state-pool": "state pool (`assert_state_pool_parity`, TP 2, slots reused, decode padded to 4 rows)",
+    "state-pool-captured": "state pool, captured steps (`assert_state_pool_parity`, TP 2, `capture`: each padded "
+                           "batch size captured once and replayed)",
     "state-pool-prefix": "state pool, prefix mode (`assert_state_pool_parity`, TP 2, blocks of 4, 2 prefix hits)",
     "spec-decode": "speculative decoding (`assert_spec_decode_parity`, TP 2, 3 drafts, 0..3 accepted)",
     "spec-decode-mixed": "speculative decoding, mixed calls (`assert_spec_decode_parity`, TP 2, vLLM's layout, rows "
@@ -206,6 +211,17 @@ def state_pool(spawn, path=None):
     assert_state_pool_parity(spawn, path or linattn_pool_path(CONFIG), reference(), [Placement(tp=2)], STATE_CU,
                              plans=POOL_PLANS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, max_live=2,
                              capture_sizes=POOL_CAPTURE_SIZES, name="record")
+
+
+CAPTURED_SIZES = (1, 2)  # below the runner's 4-row static buffers (clients.state_pool.MAX_CAPTURED_ROWS)
+
+
+def state_pool_captured(spawn, path=None):
+    from clients.state_pool import linattn_captured_pool_path
+
+    assert_state_pool_parity(spawn, path or linattn_captured_pool_path(CONFIG), reference(), [Placement(tp=2)],
+                             STATE_CU, plans=POOL_PLANS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
+                             max_live=2, capture_sizes=CAPTURED_SIZES, name="record")
 
 
 def state_pool_prefix(spawn, path=None):
@@ -334,6 +350,8 @@ def run(spawn, check, subject=None):
         return continuation(spawn, subject, dtype=torch.float32, rtol=FLOAT32_RTOL)
     if check == "state-pool":
         return state_pool(spawn, subject)
+    if check == "state-pool-captured":
+        return state_pool_captured(spawn, subject)
     if check == "state-pool-prefix":
         return state_pool_prefix(spawn, subject)
     if check == "spec-decode":

@@ -21,7 +21,7 @@ from linattn import kernels
 from linattn.layers import GatedDeltaNet, LayerState
 from clients.padded import padded_forward, run_rows
 from clients.spec_decode import num_accepted, row_verify
-from clients.state_pool import pool_prefill
+from clients.state_pool import MAX_CAPTURED_ROWS, captured_buffers, decode_step_on, pool_prefill, replayed
 
 
 def _rows_where(mask, rows, other):
@@ -228,6 +228,25 @@ def row_verify_keeping_one_conv_window(module, x, cu_seqlens, pool, slots, place
     last = slots.gather(1, (cu_seqlens.diff().to(slots.device).long() - 1).view(-1, 1)).squeeze(1)
     pool[0][slots] = pool[0][last].unsqueeze(1).expand(-1, slots.shape[1], *pool[0].shape[1:]).clone()
     return y
+
+
+def capture_refilling_the_front_reading_the_tail(module, pool, batch_size, placement):
+    """sglang #32555 (a CUDA-graph runner's captured decode, StatePoolPath.capture): the replay
+    refills the static destination buffer's first rows (`[:bs]`) but the captured step writes
+    through its last ones (`[-bs:]`), never refreshed while no batch of the buffer's full size
+    runs: every row reads its own slot and writes its new state into the slot the tail still holds
+    (the null slot, as allocated); the batch's slots keep their old states."""
+    x_buf, slot_buf = captured_buffers(module, module.config.hidden_size, pool)
+    destination = module.__dict__.setdefault("destination_buffer", slot_buf.clone())
+    front, tail = slice(0, batch_size), slice(MAX_CAPTURED_ROWS - batch_size, MAX_CAPTURED_ROWS)
+
+    def refill(x, slots):
+        x_buf[:, front].copy_(x)
+        slot_buf[front].copy_(slots)
+        destination[front].copy_(slots)
+
+    return replayed(lambda out: decode_step_on(module, pool, x_buf[:, front], slot_buf[front], out,
+                                               write_rows=destination[tail]), pool, refill)
 
 
 def forward_ignoring_the_mask_when_continued(module, x, attention_mask, state, placement):

@@ -228,6 +228,21 @@ def _hit_from_an_empty_state(plans=checks.PREFIX_PLANS, hits=checks.PREFIX_HITS)
             + PREFIX_CALL[len(r"call \d+ "):])
 
 
+def checks_captured_path():
+    from clients.state_pool import linattn_captured_pool_path
+
+    return linattn_captured_pool_path(CONFIG)
+
+
+def _captured_destination_tail():
+    """sglang #32555's plant: every prefill right; a decode call's own outputs right (each row reads
+    its slot), its states written to the null slot: the first wrong token is a sequence's second
+    decode step, in a decode call."""
+    return (r"first wrong token: sequence \d+ \([^)]*, then \d+ decode steps\) token \d+, call \d+ \(decode of "
+            r"sequences \[[\d, ]+\] in slots \[[\d, ]+\], padded to \d+ rows?( with padding rows at slots "
+            r"\[[\d, ]*\])?\)")
+
+
 # a row whose pads straddle into a continued call: its state after that call is off, then its first token
 PADDED_STATE = (r"call [12] \(prefill of columns \d+\.\.\d+, pads per row \[[\d, ]+\]\): row \d \(a \d-token prompt\), "
                 r"state before its first token \(zeros\): field \w+ error \S+")
@@ -586,6 +601,15 @@ BUGS = (
         _pool(prefill=S.prefill_hit_from_an_empty_state), "stateful", located=_hit_from_an_empty_state(),
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not vLLM's "
             "KV-cache coordinator: the hit's state is never restored")),
+    Bug("sglang-32555", "N12", (gh("sgl-project/sglang", 32555, "pull"),),
+        "decode track-save under CUDA graphs: the replay refills the static track-destination buffer at the front "
+        "([:bs]) but the backend slices [-num_decodes:], so the captured kernel writes through the never-refreshed "
+        "tail", "state pool (CUDA graph)", "No", "state-pool-captured",
+        lambda: dataclasses.replace(checks_captured_path(), capture=S.capture_refilling_the_front_reading_the_tail),
+        "stateful", located=_captured_destination_tail(),
+        fidelity="moved", fidelity_note=("sglang's track-save destination (the prefix cache's snapshot slots) in "
+            "Nemotron's decode; planted as the destination of the decode's own state write in the project's "
+            "captured runner (suites/clients/state_pool.py)")),
     Bug("spec-decode-verify", "29", (gh("sgl-project/sglang", 27658), gh("sgl-project/sglang", 40419),
                                      gh("vllm-project/vllm-ascend", 12255), gh("NVIDIA/TensorRT-LLM", 13782)),
         "spec-decode verify keeps the state advanced by rejected drafts", "MTP / spec decode", "No",

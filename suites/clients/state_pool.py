@@ -7,6 +7,8 @@ hit reads its prefix block and writes its own slot.
 
 `linattn_pool_path(config, prefill=..., decode=...)`: the harness's StatePoolPath for a config;
 a planted bug replaces prefill or decode (module-level functions: spawn pickles them by reference).
+`linattn_captured_pool_path(config, capture=...)`: the same with captured decode steps (a CUDA-graph
+runner's static buffers, a real torch.cuda.CUDAGraph on CUDA).
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from cases.layer_parity import linattn_layer
 from linattn.layers import LayerState, shard_layer_state, unshard_layer_state
 from pytest_linattn.harness import StatePoolPath
 
-__all__ = ["linattn_pool_path", "pool_decode", "pool_prefill"]
+__all__ = ["captured_buffers", "decode_step_on", "linattn_captured_pool_path", "linattn_pool_path", "pool_capture",
+           "pool_decode", "pool_prefill", "replayed"]
 
 
 def _rows(mask, rows):
@@ -48,6 +51,82 @@ def pool_decode(module, x, pool, slots, num_valid, placement):
     for f, n in zip(pool, new):
         f[valid] = n
     return torch.cat([y, torch.zeros_like(x[:, num_valid:])], dim=1)
+
+
+# ---- captured steps: a CUDA-graph runner's decode (StatePoolPath.capture) ----
+
+MAX_CAPTURED_ROWS = 4  # the runner's static buffers, sized for its largest captured batch
+NULL_SLOT = 0  # the captured runner's padding rows read and write this reserved slot (vLLM's null block)
+
+
+def captured_buffers(module, hidden_size, pool):
+    """The runner's static input and slot buffers (MAX_CAPTURED_ROWS rows), allocated once and shared
+    by the graphs of every batch size, each graph using the rows it was captured on."""
+    buffers = module.__dict__.setdefault("captured_buffers", {})
+    if not buffers:
+        weight = next(module.parameters())
+        buffers["x"] = torch.zeros(1, MAX_CAPTURED_ROWS, hidden_size, dtype=weight.dtype, device=weight.device)
+        buffers["slots"] = torch.full((MAX_CAPTURED_ROWS,), NULL_SLOT, dtype=torch.int64, device=pool[0].device)
+    return buffers["x"], buffers["slots"]
+
+
+def decode_step_on(module, pool, x_rows, slot_rows, out, write_rows=None):
+    """The captured step: every row of the batch (padding rows too: a graph runs the whole padded
+    batch) from its slot, its state written back to the slot (or to `write_rows`' slots, a separate
+    destination buffer); the outputs into `out`."""
+    y, new = module.step(x_rows, LayerState(*(f[slot_rows] for f in pool)))
+    for f, n in zip(pool, new):
+        f.index_copy_(0, slot_rows if write_rows is None else write_rows, n.to(f.dtype))
+    out["y"] = y
+
+
+def replayed(step, pool, refill):
+    """A replay of `step` after `refill(x, slots)` fills its static buffers: on CUDA the step
+    captured once into a torch.cuda.CUDAGraph (warmed up on a side stream first: with the buffers as
+    allocated every row reads and writes the null slot only), elsewhere the step run on the buffers."""
+    out = {}
+    if not pool[0].is_cuda:
+        def replay(x, slots, num_valid):
+            refill(x, slots)
+            step(out)
+            return out["y"]
+        return replay
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step(out)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step(out)
+
+    def replay(x, slots, num_valid):
+        refill(x, slots)
+        graph.replay()
+        return out["y"].clone()
+    return replay
+
+
+def pool_capture(module, pool, batch_size, placement):
+    """StatePoolPath.capture: the decode of `batch_size` rows on the first rows of the static
+    buffers; replay refills those rows from the call (the padding rows at the null slot)."""
+    x_buf, slot_buf = captured_buffers(module, module.config.hidden_size, pool)
+    x_rows, slot_rows = x_buf[:, :batch_size], slot_buf[:batch_size]
+
+    def refill(x, slots):
+        x_rows.copy_(x)
+        slot_rows.copy_(slots)
+
+    return replayed(lambda out: decode_step_on(module, pool, x_rows, slot_rows, out), pool, refill)
+
+
+def linattn_captured_pool_path(config, capture=pool_capture) -> StatePoolPath:
+    """linattn's layer through the slot-pool client with captured decode steps: padding rows at the
+    null slot 0, reserved (a captured graph runs them, so their writes must land there)."""
+    return StatePoolPath(linattn_layer(config), prefill=pool_prefill, decode=None, capture=capture,
+                         padding_slot=NULL_SLOT, reserved_slots=(NULL_SLOT,),
+                         shard_state=functools.partial(_shard, config), unshard_state=functools.partial(_unshard, config))
 
 
 def _shard(config, state, placement, tp_rank):
