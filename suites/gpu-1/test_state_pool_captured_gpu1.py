@@ -2,8 +2,9 @@
 CUDA-graph runner (suites/clients/state_pool.py, `linattn_captured_pool_path`: static buffers of 4
 rows, each padded batch size captured once into a torch.cuda.CUDAGraph and replayed with its
 buffers refilled), through `assert_state_pool_parity` against the float64 layer on the same
-bf16 weights, at BF16_RTOL."""
+bf16 weights, at BF16_RTOL; the recurrent pool in float32, as the layer returns that state."""
 
+import dataclasses
 import functools
 
 import pytest
@@ -33,6 +34,8 @@ def reference():
 
 
 def test_captured_decode_replays_with_refilled_buffers(spawn):
-    assert_state_pool_parity(spawn, linattn_captured_pool_path(CONFIG), reference(), [Placement()], CU, plans=PLANS,
+    # the layer returns its recurrent state in float32 (fla's kernels): a float32 recurrent pool
+    path = dataclasses.replace(linattn_captured_pool_path(CONFIG), state_dtypes={"recurrent": torch.float32})
+    assert_state_pool_parity(spawn, path, reference(), [Placement()], CU, plans=PLANS,
                              hidden_size=CONFIG.hidden_size, seed=62, rtol=BF16_RTOL, max_live=3,
                              capture_sizes=(1, 2, 4), dtype=torch.bfloat16, name="captured-bf16")
