@@ -73,6 +73,15 @@ def test_vllm_gdn_pool_matches_the_float64_layer(spawn, decode_kernel):
 
 
 @needs(VLLM)
+def test_vllm_gdn_captured_decode_steps(spawn):
+    """vLLM's decode as its CUDA-graph runner replays it (`vllm_pool_capture`): each padded batch size
+    set up once, its static buffers refilled per step while the batch's rows change."""
+    from clients.engines.vllm_gdn import vllm_pool_capture, vllm_pool_path
+
+    check(spawn, vllm_pool_path(CONFIG, capture=vllm_pool_capture), "vllm-gdn-captured")
+
+
+@needs(VLLM)
 def test_vllm_gdn_pool_at_tp2(spawn):
     """Each TP rank's kernels on its pool of its heads' states (one key head, two value heads)."""
     from clients.engines.vllm_gdn import vllm_pool_path

@@ -41,7 +41,7 @@ from linattn.layers import GatedDeltaNet, LayerState
 from pytest_linattn.harness import SpecDecodePath, StatePoolPath
 
 __all__ = ["VllmGDN", "conv_metadata", "spec_reference_forward", "vllm_pool_decode", "vllm_pool_path",
-           "vllm_pool_prefill", "vllm_prefix_prefill", "vllm_row_prefill", "vllm_row_state", "vllm_row_verify", "vllm_short_conv",
+           "vllm_pool_capture", "vllm_pool_prefill", "vllm_prefix_prefill", "vllm_row_prefill", "vllm_row_state", "vllm_row_verify", "vllm_short_conv",
            "vllm_spec_path"]
 
 FLA_OPS = "vllm.third_party.flash_linear_attention.ops"
@@ -170,6 +170,28 @@ def vllm_pool_decode(module, x, pool, slots, num_valid, placement):
                           kind="decode", pool=pool, slots=slots.to(torch.int32))
 
 
+def vllm_pool_capture(module, pool, batch_size, placement):
+    """StatePoolPath.capture: vLLM's decode of `batch_size` rows as its CUDA-graph runner replays it
+    (its static state-index buffer refilled per step, gdn_attn.py:648-671): the conv update and the
+    recurrence on the slots in place, the padding rows at the null block (skipped by the kernels).
+    A torch.cuda.CUDAGraph on CUDA (`clients.state_pool.replayed`), the step run on the same
+    buffers elsewhere."""
+    from clients.state_pool import captured_buffers, replayed
+
+    x_buf, slot_buf = captured_buffers(module, module.config.hidden_size, pool)
+    x_rows, slot_rows = x_buf[:, :batch_size], slot_buf[:batch_size]
+    cu = torch.arange(batch_size + 1, dtype=torch.int32, device=x_buf.device)
+
+    def step(out):
+        out["y"] = call_with_pool(module, x_rows, cu, kind="decode", pool=pool, slots=slot_rows.to(torch.int32))
+
+    def refill(x, slots):
+        x_rows.copy_(x)
+        slot_rows.copy_(slots)
+
+    return replayed(step, pool, refill)
+
+
 def _build(config, placement, groups, dtype, device, decode_kernel="fused_sigmoid_gating"):
     tp_group, _ = groups
     module = VllmGDN(config, tp_group=tp_group, dtype=dtype, device=device)
@@ -178,15 +200,17 @@ def _build(config, placement, groups, dtype, device, decode_kernel="fused_sigmoi
 
 
 def vllm_pool_path(config, decode_kernel="fused_sigmoid_gating", prefill=vllm_pool_prefill,
-                   decode=vllm_pool_decode) -> StatePoolPath:
+                   decode=vllm_pool_decode, capture=None) -> StatePoolPath:
     """VllmGDN for a GDN `config`, its decode on `decode_kernel` (VllmGDN's), with vLLM's slot
     conventions: slot 0 reserved (the null block) and the padding rows' slot. Under TP each rank's
-    pool holds its heads' states, as vLLM's does."""
+    pool holds its heads' states, as vLLM's does. capture: captured decode steps instead of decode
+    (`vllm_pool_capture`: vLLM's CUDA-graph runner)."""
     if decode_kernel not in ("fused_sigmoid_gating", "packed"):
         raise ValueError(f"decode_kernel must be 'fused_sigmoid_gating' or 'packed', got {decode_kernel!r}")
     layer = dataclasses.replace(linattn_layer(config), build=functools.partial(_build, config,
                                                                                  decode_kernel=decode_kernel))
-    return StatePoolPath(layer, prefill=prefill, decode=decode, padding_slot=NULL_BLOCK_ID,
+    return StatePoolPath(layer, prefill=prefill, decode=None if capture else decode, capture=capture,
+                         padding_slot=NULL_BLOCK_ID,
                          reserved_slots=(NULL_BLOCK_ID,), shard_state=functools.partial(engine_shard_state, config),
                          unshard_state=functools.partial(engine_unshard_state, config))
 
