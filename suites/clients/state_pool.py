@@ -8,7 +8,7 @@ hit reads its prefix block and writes its own slot.
 `linattn_pool_path(config, prefill=..., decode=...)`: the harness's StatePoolPath for a config;
 a planted bug replaces prefill or decode (module-level functions: spawn pickles them by reference).
 `linattn_captured_pool_path(config, capture=...)`: the same with captured decode steps (a CUDA-graph
-runner's static buffers, a real torch.cuda.CUDAGraph on CUDA).
+runner's static buffers refilled per step; a real torch.cuda.CUDAGraph is not built yet).
 """
 
 from __future__ import annotations
@@ -81,30 +81,21 @@ def decode_step_on(module, pool, x_rows, slot_rows, out, write_rows=None):
 
 
 def replayed(step, pool, refill):
-    """A replay of `step` after `refill(x, slots)` fills its static buffers: on CUDA the step
-    captured once into a torch.cuda.CUDAGraph (warmed up on a side stream first: with the buffers as
-    allocated every row reads and writes the null slot only), elsewhere the step run on the buffers."""
+    """A replay of `step` after `refill(x, slots)` fills its static buffers: the step run on the
+    buffers (a CUDA graph's replay runs the captured step on them the same way). On CUDA a real
+    torch.cuda.CUDAGraph capture is not built yet: linattn's decode step runs fla's causal_conv1d
+    with cu_seqlens, whose prepare_chunk_indices syncs with the host (capture refused), and vLLM's
+    decode captured so replayed into an illegal memory access not yet located (an H100,
+    2026-12-06)."""
+    if pool[0].is_cuda:
+        raise NotImplementedError("clients.state_pool.replayed: captured steps on CUDA (a real torch.cuda.CUDAGraph) "
+                                  "are not built yet; the runner's static buffers run on a CPU")
     out = {}
-    if not pool[0].is_cuda:
-        def replay(x, slots, num_valid):
-            refill(x, slots)
-            step(out)
-            return out["y"]
-        return replay
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            step(out)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step(out)
 
     def replay(x, slots, num_valid):
         refill(x, slots)
-        graph.replay()
-        return out["y"].clone()
+        step(out)
+        return out["y"]
     return replay
 
 
@@ -122,8 +113,9 @@ def pool_capture(module, pool, batch_size, placement):
 
 
 def linattn_captured_pool_path(config, capture=pool_capture) -> StatePoolPath:
-    """linattn's layer through the slot-pool client with captured decode steps: padding rows at the
-    null slot 0, reserved (a captured graph runs them, so their writes must land there)."""
+    """linattn's layer through the slot-pool client with captured decode steps (on a CPU: `replayed`):
+    padding rows at the null slot 0, reserved (a captured graph runs them, so their writes must
+    land there)."""
     return StatePoolPath(linattn_layer(config), prefill=pool_prefill, decode=None, capture=capture,
                          padding_slot=NULL_SLOT, reserved_slots=(NULL_SLOT,),
                          shard_state=functools.partial(_shard, config), unshard_state=functools.partial(_unshard, config))

@@ -173,9 +173,8 @@ def vllm_pool_decode(module, x, pool, slots, num_valid, placement):
 def vllm_pool_capture(module, pool, batch_size, placement):
     """StatePoolPath.capture: vLLM's decode of `batch_size` rows as its CUDA-graph runner replays it
     (its static state-index buffer refilled per step, gdn_attn.py:648-671): the conv update and the
-    recurrence on the slots in place, the padding rows at the null block (skipped by the kernels).
-    A torch.cuda.CUDAGraph on CUDA (`clients.state_pool.replayed`), the step run on the same
-    buffers elsewhere."""
+    recurrence on the slots in place, the padding rows at the null block (skipped by the kernels),
+    the step run on the static buffers (`clients.state_pool.replayed`: not on CUDA yet)."""
     from clients.state_pool import captured_buffers, replayed
 
     x_buf, slot_buf = captured_buffers(module, module.config.hidden_size, pool)
