@@ -217,4 +217,24 @@ LIVE_BUGS = (
         shows=r"row 1 \(slot -1\): output vs the loop from the row before the pool \(buffer\[0\]\): "
               r"\d\.\d+e-0[6-9][\s\S]*?the row before the pool, which no slot names: max \|change\| "
               r"[1-9]\.\d+e(\+\d\d|-0[0-2])"),
+    LiveBug(
+        "fla-varlen-padded-tail", "flash-linear-attention==0.6.0",
+        "`chunk_gated_delta_rule` (`fla/ops/gated_delta_rule/chunk.py`): its chunk kernels run the chunks "
+        "`prepare_chunk_indices(cu_seqlens)` lists (`fla/ops/utils/index.py`), none past cu_seqlens[-1]; the output "
+        "and gradient buffers are allocated uninitialized for all T tokens",
+        "a packed batch padded past its last boundary (T = 40, cu_seqlens [0, 10, 30]): the real tokens' outputs "
+        "and gradients right, the padding tail's outputs and q / k / v / g / beta gradients never written "
+        "(reported in QwenLM/FlashQLA #28, closed there; no report in fla's tracker found)",
+        "suites/fla-interpret/test_padded_tail_gradients.py::test_padded_tail_outputs_and_gradients_are_zeros",
+        "wrong result outside the callers' contract",
+        "fla's API takes cu_seqlens with any T and raises nothing when cu_seqlens[-1] < T, but no caller in the "
+        "pinned releases the project runs passes a tail (linattn, transformers' and megatron-core's GDN hand fla "
+        "cu_seqlens[-1] = T); the report's trainer padded its packed batch and got the tail's garbage summed into "
+        "its projections' weight gradients",
+        repro="suites/live_bugs/fla_varlen_padded_tail_unwritten.py",
+        repro_note="fla's kernels under Triton's interpreter on a CPU, with linattn's two interpreter patches "
+                   "(compiled on CUDA); PyTorch's fill of uninitialized memory makes the unwritten tail NaN",
+        shows=r"real tokens against the float64 loop: o \d\.\d+e-0[5-9][\s\S]*?padding tail \(unwritten memory "
+              r"NaN\): o 320 of 320 NaN, dq 320 of 320 NaN",
+        line=r"padding tail"),
 )
