@@ -550,7 +550,7 @@ BUGS = (
         kernel_test="suites/fla-interpret/test_padded_tail_gradients.py::test_padded_tail_outputs_and_gradients_are_zeros",
         repro="suites/live_bugs/fla_varlen_padded_tail_unwritten.py",
         fidelity="faithful", fidelity_note=("fla 0.6.0's own chunk_gated_delta_rule, live (part 1 of the report; its "
-            "part 2, the fused backward's gate-gradient cancellation, is another row)")),
+            "part 2, the fused backward's gate-gradient cancellation, is not planted)")),
     Bug("fla-871-1138", "21", (gh("fla-org/flash-linear-attention", 871),
                                gh("fla-org/flash-linear-attention", 1138), gh("ggml-org/llama.cpp", 18761)),
         "the conv backward read dy with hard-coded contiguous strides: wrong dx / dh0 for a non-contiguous dy",
