@@ -38,13 +38,38 @@ from clients.engines.loader import load_sglang
 from linattn.layers import GatedDeltaNet
 from pytest_linattn.harness import SpecDecodePath, StatePoolPath
 
-__all__ = ["SglangGDN", "chunk_unavailable_reason", "sglang_accept", "sglang_pool_decode", "sglang_pool_path",
+__all__ = ["SglangGDN", "chunk_unavailable_reason", "sglang_accept", "sglang_short_conv", "sglang_pool_decode", "sglang_pool_path",
            "sglang_pool_prefill", "sglang_spec_path", "sglang_verify"]
 
 FLA_OPS = "sglang.kernels.ops.attention.fla"
 CONV_OPS = "sglang.kernels.ops.mamba.causal_conv1d_triton"
 GATING_OPS = "sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent"
 PAD_SLOT_ID = -1
+
+
+def sglang_short_conv(call, xs, weights, cu_seqlens, conv_states):
+    """The short conv of a pool call on sglang's kernels over the q | k | v blocks `xs` (`[1, T, D_i]`)
+    with their weights, the conv pool `conv_states` `[slots, dim, W-1]` (a view for KDA's pool):
+    `causal_conv1d_fn` (prefill), `causal_conv1d_update` (decode; verify with every token's window
+    saved). Keeps the packed output on the call (the packed decodes read it)."""
+    conv = load_sglang(CONV_OPS)
+    mixed = torch.cat(xs, dim=-1)[0]
+    weight = torch.cat(weights, dim=0)
+    if call.kind == "prefill":
+        y = conv.causal_conv1d_fn(mixed.transpose(0, 1), weight, None, conv_states=conv_states,
+                                  query_start_loc=cu_seqlens.to(torch.int32), seq_lens_cpu=cu_seqlens.diff().tolist(),
+                                  cache_indices=call.slots, has_initial_state=call.has_initial_state,
+                                  activation="silu", pad_slot_id=PAD_SLOT_ID).transpose(0, 1)
+    elif call.kind == "decode":
+        y = conv.causal_conv1d_update(mixed, conv_states, weight, None, "silu", conv_state_indices=call.slots,
+                                      pad_slot_id=PAD_SLOT_ID)
+    else:  # verify: [N, dim, 1 + K], every token's window saved
+        rows = mixed.view(call.slots.shape[0], call.steps, -1).transpose(1, 2)
+        y = conv.causal_conv1d_update(rows, conv_states, weight, None, "silu", conv_state_indices=call.slots,
+                                      intermediate_conv_window=call.buffers[0], intermediate_state_indices=call.rows,
+                                      pad_slot_id=PAD_SLOT_ID).transpose(1, 2).reshape(mixed.shape)
+    call.mixed = y
+    return list(y.unsqueeze(0).split([x.shape[-1] for x in xs], dim=-1))
 
 
 class SglangGDN(GatedDeltaNet):
@@ -59,30 +84,10 @@ class SglangGDN(GatedDeltaNet):
         return self.pool_call is not None and self.pool_call.kind in ("decode", "verify")
 
     def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
-        call = self.pool_call
-        if call is None or cp_context is not None:
+        if self.pool_call is None or cp_context is not None:
             raise ValueError("SglangGDN runs in a pool call only (sglang_pool_prefill / sglang_pool_decode), "
                              "without CP")
-        conv = load_sglang(CONV_OPS)
-        mixed = torch.cat(xs, dim=-1)[0]
-        weight = torch.cat(weights, dim=0)
-        if call.kind == "prefill":
-            y = conv.causal_conv1d_fn(mixed.transpose(0, 1), weight, None, conv_states=call.pool.conv,
-                                      query_start_loc=cu_seqlens.to(torch.int32),
-                                      seq_lens_cpu=cu_seqlens.diff().tolist(), cache_indices=call.slots,
-                                      has_initial_state=call.has_initial_state, activation="silu",
-                                      pad_slot_id=PAD_SLOT_ID).transpose(0, 1)
-        elif call.kind == "decode":
-            y = conv.causal_conv1d_update(mixed, call.pool.conv, weight, None, "silu", conv_state_indices=call.slots,
-                                          pad_slot_id=PAD_SLOT_ID)
-        else:  # verify: [N, dim, 1 + K], every token's window saved
-            rows = mixed.view(call.slots.shape[0], call.steps, -1).transpose(1, 2)
-            y = conv.causal_conv1d_update(rows, call.pool.conv, weight, None, "silu", conv_state_indices=call.slots,
-                                          intermediate_conv_window=call.buffers[0],
-                                          intermediate_state_indices=call.rows,
-                                          pad_slot_id=PAD_SLOT_ID).transpose(1, 2).reshape(mixed.shape)
-        call.mixed = y  # the packed conv output, as the packed decode reads it
-        return list(y.unsqueeze(0).split([x.shape[-1] for x in xs], dim=-1))
+        return sglang_short_conv(self.pool_call, xs, weights, cu_seqlens, self.pool_call.pool.conv)
 
     def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
         call = self.pool_call

@@ -34,7 +34,7 @@ import torch
 from cases.layer_parity import linattn_layer
 from clients.engines.layout import call_with_pool, engine_shard_state, engine_unshard_state
 from clients.engines.loader import load_sglang
-from clients.engines.sglang_gdn import CONV_OPS, FLA_OPS, GATING_OPS, PAD_SLOT_ID, sglang_pool_decode
+from clients.engines.sglang_gdn import FLA_OPS, GATING_OPS, PAD_SLOT_ID, sglang_pool_decode, sglang_short_conv
 from linattn.layers import KimiDeltaAttention, LayerState
 from pytest_linattn.harness import StatePoolPath
 
@@ -75,25 +75,11 @@ class SglangKDA(KimiDeltaAttention):
         return self.pool_call is not None
 
     def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
-        call = self.pool_call
-        if call is None or cp_context is not None:
+        if self.pool_call is None or cp_context is not None:
             raise ValueError("SglangKDA runs in a pool call only (sglang_kda_pool_prefill / sglang_pool_decode), "
                              "without CP")
-        conv = load_sglang(CONV_OPS)
-        mixed = torch.cat(xs, dim=-1)[0]
-        weight = torch.cat(weights, dim=0)
-        states = call.pool.conv.transpose(-1, -2)  # kda_backend.py:1083: the kernels' [dim, W-1] view
-        if call.kind == "prefill":
-            y = conv.causal_conv1d_fn(mixed.transpose(0, 1), weight, None, conv_states=states,
-                                      query_start_loc=cu_seqlens.to(torch.int32),
-                                      seq_lens_cpu=cu_seqlens.diff().tolist(), cache_indices=call.slots,
-                                      has_initial_state=call.has_initial_state, activation="silu",
-                                      pad_slot_id=PAD_SLOT_ID).transpose(0, 1)
-        else:
-            y = conv.causal_conv1d_update(mixed, states, weight, None, "silu", conv_state_indices=call.slots,
-                                          pad_slot_id=PAD_SLOT_ID)
-        call.mixed = y  # the packed conv output, as the packed decode reads it
-        return list(y.unsqueeze(0).split([x.shape[-1] for x in xs], dim=-1))
+        # kda_backend.py:1083: the kernels get the [W-1, dim] pool as a [dim, W-1] view
+        return sglang_short_conv(self.pool_call, xs, weights, cu_seqlens, self.pool_call.pool.conv.transpose(-1, -2))
 
     def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
         call = self.pool_call
