@@ -7,7 +7,7 @@ mechanism lived in an engine's code around its kernels is also planted there (`p
 
 Adding a bug is one entry here and one plant. `caught`: the check must fail on the plant with a
 report matching `located` (a line naming the tensor and the sequence, token, head, call or rank
-where it is off); otherwise `missing` names the check not built yet, and the closest check runs
+where it is off; `bug_record.located` derives each from the record's sizes); otherwise `missing` names the check not built yet, and the closest check runs
 on the plant as a strict xfail (when the missing check is built, it turns into XPASS).
 
 A kernel row (`suite` other than "cpu") is a bug in fla's kernels, which the project's layers
@@ -41,11 +41,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import re
-import types
 from collections.abc import Callable
 
-from bug_record import plants_layer as L
+from bug_record import located as where
 from bug_record import plants_handoff as H
+from bug_record import plants_layer as L
 from bug_record import plants_state as S
 from bug_record import checks
 from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
@@ -53,7 +53,6 @@ from clients.isolation import IgnoresPositionIds
 from clients.per_token_loss import per_token_loss_step
 from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, TrainingStep
-from pytest_linattn.harness.continuation_plans import describe_token, plan_cuts
 from clients.padded import linattn_padded_path
 from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
 from clients.state_pool import linattn_pool_path
@@ -142,73 +141,10 @@ def _training(cls=None, layer_fields=None, **step):
     return make
 
 ENGINES = "suites/engines/test_record_on_engines.py::"
-FIRST_BACKWARD = (r"first call whose backward is wrong [^:]*: sequence \d+ \(chunks [\d+]+(, then \d decode steps)?\), "
-                  r"(chunk|decode step) \d of \d \([^)]*\)(, token \d+)?")
 
 
 def _cls(cls):
     return lambda: cls
-
-
-def parity_row(name, where):
-    """A failing tensor's row in an assert_parity table: its name, error, rtol, max|diff| and the
-    worst element's location (`where`, a regex)."""
-    return re.escape(name) + r"\s+\S+\s+\S+\s+\S+\s+" + where
-
-
-TOKEN = r"seq \d+ token \d+ \(global \d+\)"
-POOL_CALL = r"call \d+ \((decode|prefill) of sequences \[[\d, ]+\] in slots \[[\d, ]+\][^)]*\)"
-# a padding row's write to live slot 0 (the call, the slot, its sequence), then the first token it spoils
-POOL_SLOT_0 = (POOL_CALL + r" changed live slot 0 \(sequence \d+, [^)]*\), which it did not schedule: field \w+"
-               r"[\s\S]*?first wrong token: sequence \d+ \([^)]*\) token \d+, " + POOL_CALL + r", its slot 0")
-PREFIX_CALL = (r"call \d+ \(prefill of sequences \[[\d, ]+\] in slots \[[\d, ]+\](, snapshots to slots \[[-\d, ]+\])?"
-               r"(, from prefix slots \[[-\d, ]+\])?\)")
-# a prefix hit's call writing the block it read from
-PREFIX_BLOCK_WRITTEN = (PREFIX_CALL + r" changed prefix block slot \d+ \(the snapshot of sequence \d+ at token \d+\), "
-                        r"which it read from: field conv, max \|change\| \S+ \(rank \d\)")
-# a snapshot slot left as it was: not the state at its block boundary, from the first snapshot (the
-# first sequence's, at the first block boundary: bug_record.checks.PREFIX_PLANS, PREFIX_BLOCK)
-SNAPSHOT_WRONG = (PREFIX_CALL + r": the snapshot of sequence 0 \([^)]*\) at token " + str(checks.PREFIX_BLOCK)
-                  + r" in slot \d+ is not the state there: field \w+ error \S+")
-# a verify call's slot left holding a state past its accepted drafts
-SPEC_STATE = (r"call \d+ \(verify round \d+: 3 drafts each of sequences \[[\d, ]+\] in slots \[[\d, ]+\], accepted "
-              r"\[[\d, ]+\]\): slot \d+, sequence \d+ \([^)]*\), state after token \d+, [012] of 3 drafts accepted: "
-              r"field \w+ error \S+")
-
-
-def _undrafted_after_accepting(plans=checks.SPEC_MIXED_PLANS, K=checks.SPEC_MIXED_DRAFTS):
-    """vLLM #56531's plant: the first verify round where a sequence drafts nothing after a round that
-    accepted a draft (its state past column 0): that call's line for the sequence's bonus token."""
-    r, n = min((r, n) for n, pl in enumerate(plans) for r in range(1, len(pl.accepted))
-               if pl.drafts_of(r, K) == 0 and pl.accepted[r - 1] > 0)
-    seqs = [m for m, pl in enumerate(plans) if r < len(pl.accepted)]
-    call = max(len(pl.chunks) for pl in plans) + r
-    token = sum(plans[n].chunks) + sum(1 + j for j in plans[n].accepted[:r])
-    drafts = [plans[m].drafts_of(r, K) for m in seqs]
-    return (re.escape(f"call {call} (verify round {r + 1}: the next token and drafts {drafts} (mixed) of sequences "
-                      f"{seqs} in slots ") + r".*?" + re.escape(f", accepted {[plans[m].accepted[r] for m in seqs]}): ")
-            + r"slot \([\d, ]+\), " + re.escape(f"sequence {n} ({plans[n]}), token {token}: output error"))
-
-
-def _conv_window_of_rejected_drafts(plans=checks.SPEC_MIXED_PLANS, K=checks.SPEC_MIXED_DRAFTS):
-    """vLLM #50272's plant: the first sequence of the first verify round that rejects a draft; its
-    conv state after the call (the slot it continues from) holds the rejected drafts."""
-    r, n = min((r, n) for n, pl in enumerate(plans) for r in range(len(pl.accepted))
-               if pl.accepted[r] < pl.drafts_of(r, K))
-    call = max(len(pl.chunks) for pl in plans) + r
-    start = sum(plans[n].chunks) + sum(1 + j for j in plans[n].accepted[:r])
-    j, d = plans[n].accepted[r], plans[n].drafts_of(r, K)
-    return (re.escape(f"call {call} (verify round {r + 1}: ") + r"[^\n]*?" + r"slot \([\d, ]+\), "
-            + re.escape(f"sequence {n} ({plans[n]}), state after token {start + j}, {j} of {d} drafts accepted: "
-                        f"field conv error"))
-
-
-def _handed_off(plant, source, target, tp_rank, field="conv", config=REPLICATED_CONFIG, cu=checks.STATE_CU):
-    """The state handoff check's line for the plant's state handed to `target`'s rank `tp_rank`
-    (sequence 0, the first wrong), its region derived from the plant (plants_handoff.wrong_region)."""
-    region = H.wrong_region(config, plant, source, target, tp_rank, field)
-    return (re.escape(f"handed-off state at tp{target.tp}, tp_rank {tp_rank}, sequence 0 (a {int(cu[1])}-token "
-                      f"prompt), field {field}: error ") + r"\S+" + re.escape(f"; wrong in {region}") + r"(?=[ ,;])")
 
 
 def _handoff(plant):
@@ -217,201 +153,10 @@ def _handoff(plant):
     return lambda: linattn_handoff_path(REPLICATED_CONFIG, plant)
 
 
-def _hit_from_an_empty_state(plans=checks.PREFIX_PLANS, hits=checks.PREFIX_HITS):
-    """vLLM #43090's plant: the snapshots of the sequence hit (written before any hit) stay right, no
-    prefix block changes, and the outputs go wrong from the first prefix hit's first computed token,
-    in the call that ran its first chunk (a hit that snapshots later snapshots its wrong state)."""
-    n = min(hits)
-    source, tokens = hits[n]
-    return (rf"\A(?![\s\S]*the snapshot of sequence {source} \()(?![\s\S]*changed prefix block)[\s\S]*?"
-            + re.escape(f"first wrong token: sequence {n} ({plans[n]}) token {tokens}, call ") + r"\d+ "
-            + PREFIX_CALL[len(r"call \d+ "):])
-
-
 def checks_captured_path():
     from clients.state_pool import linattn_captured_pool_path
 
     return linattn_captured_pool_path(CONFIG)
-
-
-def _captured_destination_tail():
-    """sglang #32555's plant: every prefill right; a decode call's own outputs right (each row reads
-    its slot), its states written to the null slot: the first wrong token is a sequence's second
-    decode step, in a decode call."""
-    return (r"first wrong token: sequence \d+ \([^)]*, then \d+ decode steps\) token \d+, call \d+ \(decode of "
-            r"sequences \[[\d, ]+\] in slots \[[\d, ]+\], padded to \d+ rows?( with padding rows at slots "
-            r"\[[\d, ]*\])?\)")
-
-
-# a row whose pads straddle into a continued call: its state after that call is off, then its first token
-PADDED_STATE = (r"call [12] \(prefill of columns \d+\.\.\d+, pads per row \[[\d, ]+\]\): row \d \(a \d-token prompt\), "
-                r"state before its first token \(zeros\): field \w+ error \S+")
-
-
-# ---- where each plant's report must point ------------------------------------------------------
-# Derived from the record's sizes (bug_record.checks) and the plant's own constants, never read off
-# a report: a check that fails for another reason than the plant's does not count as a catch.
-
-
-def at_token(t, cu=checks.CU):
-    """How a parity report names global token `t` of the packed batch `cu`: 'seq n token i (global t)'."""
-    n = max(i for i in range(len(cu) - 1) if cu[i] <= t)
-    return f"seq {n} token {t - cu[n]} (global {t})"
-
-
-def first_wrong_per_rank(case, *per_rank):
-    """A CP case's output row, then its first wrong token on CP rank 0, 1, ...: `per_rank[r]` the
-    words for rank r (`at_token(t)`, or "none": the rank's outputs are right)."""
-    said = "; ".join(f"CP rank {r} at {where}" for r, where in enumerate(per_rank))
-    return parity_row(f"{case} output", r"[^\n]*") + r"\n" + re.escape(f"first wrong token per rank: {said}")
-
-
-# the continuation check's cuts of the record's sequences (as assert_continuation_parity makes them)
-STATE_PLANS = plan_cuts([int(n) for n in checks.STATE_SEQLENS], conv_width=CONFIG.conv_size,
-                        chunk_size=checks.CUT_CHUNK, seed=checks.SEED)
-
-
-def _prefill_chunks():
-    """(sequence, chunk index, first token, size, offset in its packed call) of every prefill chunk:
-    call k packs chunk k of every sequence that has one, in sequence order."""
-    chunks = []
-    for k in range(max(len(plan.chunks) for plan in STATE_PLANS)):
-        offset = 0
-        for n, plan in enumerate(STATE_PLANS):
-            if k < len(plan.chunks):
-                chunks.append((n, k, sum(plan.chunks[:k]), plan.chunks[k], offset))
-                offset += plan.chunks[k]
-    return chunks
-
-
-def first_wrong_in_prefill(wrong_from):
-    """The continuation report's first-wrong-token line for a prefill plant that puts a chunk wrong
-    from its position `wrong_from(size, offset)` on (`offset`: the chunk's place in its packed
-    call; None: the chunk stays right): the first wrong token (earliest position, lowest sequence
-    on a tie), the chunk that ran it, and the sequences with a wrong token."""
-    firsts = {}
-    for n, k, start, size, offset in _prefill_chunks():
-        at = wrong_from(size, offset)
-        if at is not None and (n not in firsts or start + at < firsts[n][0]):
-            firsts[n] = (start + at, k)
-    n = min(firsts, key=lambda m: (firsts[m][0], m))
-    position, k = firsts[n]
-    where = describe_token(types.SimpleNamespace(kind="prefill", index=k), position, STATE_PLANS[n])
-    return (re.escape(f"first wrong token: sequence {n} ({STATE_PLANS[n]}), {where}, error ") + r"\S+"
-            + re.escape(f" of the tokens' RMS norm; sequences with a wrong token: {sorted(firsts)}") + r"(?=\n|\Z)")
-
-
-def first_wrong_in_decode():
-    """The same line for a plant on the decode step alone: decode step 1 of the sequence whose prefill
-    is shortest, every decoding sequence wrong, every prefill chunk right."""
-    prefill = [sum(plan.chunks) for plan in STATE_PLANS]
-    n = prefill.index(min(prefill))
-    where = describe_token(types.SimpleNamespace(kind="decode", index=0), prefill[n], STATE_PLANS[n])
-    decoding = [m for m, plan in enumerate(STATE_PLANS) if plan.decode]
-    return re.escape(f"first wrong token: sequence {n} ({STATE_PLANS[n]}), {where}, error ") + r"\S+" + re.escape(
-        f" of the tokens' RMS norm; sequences with a wrong token: {decoding}; only decode steps hold a wrong "
-        "token: every prefill chunk is right")
-
-
-def final_state_off(field, *, count=1):
-    """The continuation report's final-state table with `count` of LayerState's fields off, `field`
-    the first of them."""
-    return (rf"final state: {count} of {len(LayerState._fields)} tensor\(s\) off[^\n]*\n[^\n]*"
-            rf"\n\s+{field}\s[^\n]*")
-
-
-def _even_split_of_in_proj_qkv(config, tp):
-    """Megatron PR #1989's split, [Q_all | K_all | V_all].chunk(tp), against the per-section one:
-    they agree on TP rank 0's q rows (the start of both) and the last rank's v rows (the end of
-    both), nowhere else. (first wrong row, last wrong row, rows, its key head)."""
-    q, v = config.num_k_heads * config.head_k_dim, config.num_v_heads * config.head_v_dim
-    total = 2 * q + v
-    return q // tp, total - v // tp - 1, total, config.num_k_heads // tp
-
-
-def _shard_note_of_even_split():
-    first, last, total, key_head = _even_split_of_in_proj_qkv(CONFIG, 2)
-    return re.escape(f"shard and unshard disagree: unshard of the TP ranks' shards is not the reference's weight in "
-                     f"in_proj_qkv.weight (rows {first}..{last} of {total} differ; first: q: key head {key_head}, "
-                     f"channel 0, col 0 (TP rank 1) at index ({first}, 0)). Each rank")
-
-
-def _first_boundary_lost_by_division(cu=checks.CU, cp=2):
-    """Megatron dev 098d7d97: each rank's local boundaries taken as cu_seqlens // cp. On CP rank 0
-    the first true boundary that is not among them is where a sequence runs on from the one
-    before: its token 0 is the first wrong."""
-    divided = {b // cp for b in cu}
-    return next(b for b in cu[1:] if b < cu[-1] // cp and b not in divided)
-
-
-def _first_padded_sequence(cu=checks.CU, cp=2):
-    """Megatron #4495's class: the first sequence whose padded start (each sequence padded to a
-    multiple of 2 * cp) differs from its unpadded one; its run begins in the pads before it."""
-    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
-    padded = [0]
-    for n in lengths:
-        padded.append(padded[-1] - (-n // (2 * cp)) * (2 * cp))
-    return next(i for i in range(len(cu) - 1) if padded[i] != cu[i])
-
-
-def _stale_packing_micro_batches(packings=checks.TRAINING_PACKINGS):
-    """miles #2213's plant keys the packing by token count: a micro-batch whose count an earlier
-    one had, with another packing, runs on the earlier one's boundaries. (those, the others), 1-based."""
-    stale = [m for m, cu in enumerate(packings)
-             if any(cu[-1] == old[-1] and cu != old for old in packings[:m])]
-    return [m + 1 for m in stale], [m + 1 for m in range(len(packings)) if m not in stale]
-
-
-def _loss_by_micro_batch_of_stale_packing():
-    stale, right = _stale_packing_micro_batches()
-    m = stale[0]
-    return (re.escape(f"record/tp2/seed44 step 1/2 ({len(checks.TRAINING_PACKINGS)} micro-batches) loss by "
-                      f"micro-batch: micro-batch {m} of {len(checks.TRAINING_PACKINGS)} is the first off (cu_seqlens "
-                      f"{checks.TRAINING_PACKINGS[m - 1]}): ")
-            + r"\S+, the reference's \S+ \(relative error \S+\); "
-            + re.escape(f"off: micro-batches {stale}; right: {right}"))
-
-
-def _replay_on_moved_state():
-    """Automodel #3247's class: the forward runs once on the state as it was (the output bitwise
-    equal), the replay on the state the forward moved: the input gradient and every parameter
-    gradient differ, on every rank."""
-    grads = [f"grad {n}" for n, _ in checks.reference().named_parameters()]
-    return re.escape(f"on rank 0 (TP rank 0, CP rank 0), {1 + len(grads)} of {2 + len(grads)} tensors are not bitwise "
-                     f"equal to the same run without recompute: dx, {', '.join(grads)}; bitwise equal: output (")
-
-
-def _halo_gradient_leak(cu=checks.CU_SHORT, cp=4, W=CONFIG.conv_size):
-    """fla #774's plant at cp-short: the tokens the unmasked halo gradient reaches, each a token of
-    the sequence before a piece's first one, among the W-1 before the piece: {CP rank holding it:
-    the token}. The first failing check is dx (the output, checked first, is right)."""
-    local = int(cu[-1]) // cp
-    leaks = {}
-    for r in range(1, cp):
-        start = r * local
-        first = max(b for b in cu if b <= start)  # where the piece's first sequence starts
-        for t in range(max(0, start - (W - 1)), first):
-            leaks.setdefault(t // local, t)
-    case = f"record/cp{cp}-contiguous/seed44"
-    said = "; ".join(f"CP rank {r} at " + (at_token(leaks[r], cu) if r in leaks else "none") for r in range(cp))
-    rank, t = min(leaks.items())
-    return (r"(?<=failing check\(s\)\n\n)" + re.escape(f"parity failed for {case} dx: ") + r"[^\n]*\n[^\n]*\n\s+"
-            + parity_row(f"{case} dx", re.escape(f"{at_token(t, cu)} on CP rank {rank}")) + r"[^\n]*\n"
-            + re.escape(f"first wrong token per rank: {said}"))
-
-
-def _loss_without_token_count(packings=checks.TRAINING_PACKINGS):
-    """verl #6609's plant at training-cp: each micro-batch's loss, the loss and the gradients come out
-    x its token count (the division skipped); the first step's loss by micro-batch and grad norm."""
-    tokens = {int(cu[-1]) for cu in packings}
-    assert len(tokens) == 1, "the record's micro-batches share one length"
-    error, M = re.escape(f"(relative error {tokens.pop() - 1:.2e})"), len(packings)
-    label = f"step 1/2 ({M} micro-batches)"
-    return (re.escape(f"{label} loss by micro-batch: micro-batch 1 of {M} is the first off (cu_seqlens "
-                      f"{[int(b) for b in packings[0]]}): ") + r"\S+, the reference's \S+ " + error
-            + re.escape(f"; off: micro-batches {list(range(1, M + 1))}; right: none") + r"[\s\S]*?"
-            + re.escape(f"{label} grad norm: the reference's is ") + r"\S+ \(rtol 1e-10\); "
-            + re.escape("off on 2 of 2 rank(s):") + r"\n\s+" + re.escape("TP rank 0, CP rank 0: ") + r"\S+ " + error)
 
 
 BUGS = (
@@ -427,21 +172,21 @@ BUGS = (
         "a replicated weight's gradient is all-reduced after every micro-batch's backward, so under accumulation "
         "the earlier micro-batches are counted again", "gradient reduction (trainer)", "Yes", "training-tp",
         _training(L.NormGradUnreducedWithoutSP, dict(after_backward=L.all_reduce_replicated_grads)), "trainer",
-        located=r"step 1/2 \(2 micro-batches\) grad: 1 of 9 tensor\(s\) off.*\n.*\n\s+" + parity_row("norm.weight", r"index \(\d\)"),
+        located=r"step 1/2 \(2 micro-batches\) grad: 1 of 9 tensor\(s\) off.*\n.*\n\s+" + where.parity_row("norm.weight", r"index \(\d\)"),
         fidelity="project finding", fidelity_note=("no upstream report: found in transformers' TP plan "
             "(replicated_with_grad_allreduce in integrations/tensor_parallel.py); NeMo-RL #3788 / #3716 and ROCm "
             "TransformerEngine #715 are reports of the same class elsewhere")),
     Bug("transformers-45513", "3", (gh("huggingface/transformers", 45513), gh("fla-org/flash-linear-attention", 351)),
         "a multi-token cached forward called the chunk kernel with initial_state=None, restarting from zero",
         "state carry", "Yes", "continuation", _path(prefill=S.prefill_restarting_multi_token_chunks), "stateful",
-        located=first_wrong_in_prefill(lambda size, offset: 0 if size > 1 else None),
+        located=where.first_wrong_in_prefill(lambda size, offset: 0 if size > 1 else None),
         fidelity="faithful"),
     Bug("vllm-51483", "4", (gh("vllm-project/vllm", 51483), gh("vllm-project/vllm", 51562),
                             gh("vllm-project/vllm", 51565), gh("vllm-project/vllm", 57573)),
         "a stateless 1-token first chunk was classified as a decode and read a reused, unzeroed state page",
         "state carry / kernel selection", "Yes", "continuation",
         _path(prefill=S.prefill_reading_a_stale_state_for_1_token_chunks), "stateful",
-        located=first_wrong_in_prefill(lambda size, offset: 0 if size == 1 else None),
+        located=where.first_wrong_in_prefill(lambda size, offset: 0 if size == 1 else None),
         engine_tests=(f"{ENGINES}test_vllm_51483_first_chunk_of_1_token_run_as_a_decode",),
         fidelity="faithful", fidelity_note=("the reused, unzeroed state page stands as the neighbouring row's state; "
             "also planted in vLLM 0.33.0's metadata builder (the 1-token row routed to the decode kernels, reading the "
@@ -470,7 +215,7 @@ BUGS = (
         "the packed in_proj [Q_all|K_all|V_all|...] is split evenly by a column-parallel linear, so rank 0 gets "
         "Q|K|part of V instead of its heads of each", "TP sharding", "Check", "tp-parity",
         _layer(shard=functools.partial(L.shard_fused_in_proj_evenly, CONFIG)), "sharded",
-        located=_shard_note_of_even_split(),
+        located=where.shard_note_of_even_split(),
         fidelity="faithful"),
     Bug("tp-beyond-key-heads", "9", (gh("vllm-project/vllm", 13660), gh("sgl-project/sglang", 20967),
                                      gh("radixark/miles", 972), gh("alibaba/ROLL", 497)),
@@ -478,21 +223,21 @@ BUGS = (
         "TP > key heads (GQA/GVA replication)", "No", "tp-replicated",
         functools.partial(L.planted_layer, REPLICATED_CONFIG, None,
                           shard=functools.partial(L.shard_gate_unsliced_beyond_key_heads, REPLICATED_CONFIG)),
-        "sharded", located=parity_row("record/tp4/seed44 output tp_rank0", TOKEN) + r"[\s\S]*?"
-                           + parity_row("in_proj_z.weight", r"value head \d+, channel \d+, col \d+ \(TP rank [13]\)"),
+        "sharded", located=where.parity_row("record/tp4/seed44 output tp_rank0", where.TOKEN) + r"[\s\S]*?"
+                           + where.parity_row("in_proj_z.weight", r"value head \d+, channel \d+, col \d+ \(TP rank [13]\)"),
         fidelity="moved", fidelity_note=("miles #972 was Megatron's full-attention output gate (a crash in view()); "
             "planted as a silent wrong-rows slice of GDN's in_proj_z at TP 4 over 2 key heads")),
     Bug("slime-1686", "10", (gh("THUDM/slime", 1686), gh("radixark/miles", 648)),
         "cu_seqlens reached the short conv but not chunk_gated_delta_rule, so the recurrence ran through the "
         "packed samples", "packed boundaries", "Check", "oracle", _cls(L.DeltaRuleWithoutBoundaries), "everywhere",
-        located=parity_row("qwen3_5-gva2 output", r"seq [1-9]\d* token \d+ \(global \d+\)"),
+        located=where.parity_row("qwen3_5-gva2 output", r"seq [1-9]\d* token \d+ \(global \d+\)"),
         fidelity="faithful"),
     Bug("miles-2213", "12", (gh("radixark/miles", 2213),),
         "packing metadata kept across calls: the next micro-batch reused stale cu_seqlens", 
         "packed boundaries / stale metadata across calls", "Partly", "training-tp",
         _training(L.MetadataCachedByTokenCount), "trainer",
         # step 1: the first micro-batch right, the next one of its token count (another packing) wrong
-        located=_loss_by_micro_batch_of_stale_packing(),
+        located=where.loss_by_micro_batch_of_stale_packing(),
         fidelity="partial", fidelity_note=("the stale-mailbox half: packing metadata kept across micro-batches; the "
             "main bug (the packing patch never applied to dense qwen3_5) is not planted")),
     Bug("model-level-packing", "13", (gh("hiyouga/LlamaFactory", 10787), gh("huggingface/transformers", 46851),
@@ -508,7 +253,7 @@ BUGS = (
         "Ulysses CP wrapped only attention, so GDN ran on local shards and every rank restarted the state at zero",
         "CP (state not passed)", "Check", "cp-parity", _layer(L.StateNotPassedOverCP), "sharded",
         # rank 0's outputs right; rank 1's wrong from its first token, where the state restarts
-        located=first_wrong_per_rank("record/cp2-contiguous/seed44", "none", at_token(checks.CU[-1] // 2)),
+        located=where.first_wrong_per_rank("record/cp2-contiguous/seed44", "none", where.at_token(checks.CU[-1] // 2)),
         fidelity="partial", fidelity_note=("the recurrent state not passed over CP; the conv halo still crosses "
             "(upstream the conv ran on local shards too)")),
     Bug("prime-rl-3002", "15", (gh("PrimeIntellect-ai/prime-rl", 3002), gh("PrimeIntellect-ai/prime-rl", 3003),
@@ -518,7 +263,7 @@ BUGS = (
         # the batch ran as one sequence: wrong from the first packed boundary on
         located=(r"the packing was lost: the ranks' outputs are the replicated layer's on the batch as one sequence "
                  rf"\(cu_seqlens \[0, {checks.CU[-1]}\][\s\S]*?"
-                 + first_wrong_per_rank("record/cp2-contiguous/seed44", at_token(checks.CU[1]))),
+                 + where.first_wrong_per_rank("record/cp2-contiguous/seed44", where.at_token(checks.CU[1]))),
         fidelity="faithful"),
     Bug("fla-774", "18", (gh("fla-org/flash-linear-attention", 774, "pull"),),
         "the CP conv backward did not mask the initial state's gradient: the forward fills only the last "
@@ -530,7 +275,7 @@ BUGS = (
         "CP halo", "No", "cp-short", _layer(L.HaloGradientUnmasked), "sharded",
         # the forward is right: the first failing check is dx (the output's comes before it), wrong only at the
         # token the leak reaches, sequence 0's on CP rank 0 (rank 1's sequence started 1 token before it)
-        located=_halo_gradient_leak(),
+        located=where.halo_gradient_leak(),
         fidelity="partial", fidelity_note=("the unmasked halo gradient of fla's _correct_dx_for_cp, moved into "
             "linattn's halo exchange; the backward kernel's out-of-bounds dy read (NaN in dw) is fla's Triton code, "
             "not planted")),
@@ -564,20 +309,20 @@ BUGS = (
     Bug("transformers-46741", "22", (gh("huggingface/transformers", 46741),),
         "Mamba2 mixers took the 1-token decode branch for any cached forward: one recurrent step on token 0",
         "kernel selection / state carry", "Partly", "continuation", _path(prefill=S.prefill_through_the_decode_step),
-        "stateful", located=first_wrong_in_prefill(lambda size, offset: 1 if size > 1 else None),
+        "stateful", located=where.first_wrong_in_prefill(lambda size, offset: 1 if size > 1 else None),
         fidelity="faithful"),
     Bug("vllm-23279", "23", (gh("vllm-project/vllm", 23279, "pull"),),
         "varlen chunked prefill: a sequence starting mid-chunk took its initial state's decay from the chunk start",
         "state carry (chunk/sequence alignment)", "Check", "continuation",
         _path(prefill=S.prefill_decaying_from_the_chunk_start), "stateful",
         # a sequence whose chunk starts off the client's chunk grid in its packed call
-        located=first_wrong_in_prefill(lambda size, offset: 0 if offset % S.CLIENT_CHUNK else None),
+        located=where.first_wrong_in_prefill(lambda size, offset: 0 if offset % S.CLIENT_CHUNK else None),
         fidelity="faithful", fidelity_note=("approximated by a wrapper that pre-scales the initial state by the "
             "decay from the chunk start, not vLLM's chunked kernel")),
     Bug("vllm-56196", "26", (gh("vllm-project/vllm", 56196),),
         "with prefix caching a chunk shorter than W-1 wrote its conv state into the shared prefix block it read "
         "from; its own block was never written", "state pool (conv)", "No", "state-pool-prefix",
-        _pool(prefill=S.prefill_writing_a_short_chunk_into_the_prefix_block), "stateful", located=PREFIX_BLOCK_WRITTEN,
+        _pool(prefill=S.prefill_writing_a_short_chunk_into_the_prefix_block), "stateful", located=where.PREFIX_BLOCK_WRITTEN,
         engine_tests=(f"{ENGINES}test_vllm_56196_short_chunk_writes_the_prefix_block",),
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), and in vLLM "
             "0.33.0's align-mode prefix copies around its own kernels (the short chunk's conv run in the prefix "
@@ -590,7 +335,7 @@ BUGS = (
                                           gh("sgl-project/sglang", 24955)),
         "CUDA-graph padded rows or DP dummy runs write state through a padding slot equal to a live slot (0)",
         "CUDA graph / decode state pool", "No", "state-pool", _pool(decode=S.decode_writing_padding_rows_through_slot_0),
-        "stateful", located=POOL_SLOT_0,
+        "stateful", located=where.POOL_SLOT_0,
         engine_tests=(f"{ENGINES}test_vllm_37728_padding_rows_from_stale_state_indices",
                       f"{ENGINES}test_sglang_padding_rows_clamped_to_live_slot_0"),
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py); and around the "
@@ -599,14 +344,14 @@ BUGS = (
     Bug("sglang-31474", "28", (gh("sgl-project/sglang", 31474),),
         "the KDA backend never wrote mamba track snapshots, so prefix hits restored garbage state",
         "state carry (prefix cache)", "No", "state-pool-prefix", _pool(prefill=S.prefill_without_track_snapshots),
-        "stateful", located=SNAPSHOT_WRONG,
+        "stateful", located=where.SNAPSHOT_WRONG,
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not sglang's "
             "code")),
     Bug("vllm-43090", "N15", (gh("vllm-project/vllm", 43090),),
         "the attention group hits the prefix cache, the Mamba group misses; the coordinator keeps one scalar "
         "num_computed_tokens > 0, so has_initial_states is true and the Mamba layer recurs from an empty state "
         "(granite-4.0-tiny, cached vs uncached logits)", "state pool (prefix cache)", "No", "state-pool-prefix",
-        _pool(prefill=S.prefill_hit_from_an_empty_state), "stateful", located=_hit_from_an_empty_state(),
+        _pool(prefill=S.prefill_hit_from_an_empty_state), "stateful", located=where.hit_from_an_empty_state(),
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not vLLM's "
             "KV-cache coordinator: the hit's state is never restored")),
     Bug("sglang-32555", "N12", (gh("sgl-project/sglang", 32555, "pull"),),
@@ -614,14 +359,14 @@ BUGS = (
         "([:bs]) but the backend slices [-num_decodes:], so the captured kernel writes through the never-refreshed "
         "tail", "state pool (CUDA graph)", "No", "state-pool-captured",
         lambda: dataclasses.replace(checks_captured_path(), capture=S.capture_refilling_the_front_reading_the_tail),
-        "stateful", located=_captured_destination_tail(),
+        "stateful", located=where.captured_destination_tail(),
         fidelity="moved", fidelity_note=("sglang's track-save destination (the prefix cache's snapshot slots) in "
             "Nemotron's decode; planted as the destination of the decode's own state write in the project's "
             "captured runner (suites/clients/state_pool.py)")),
     Bug("spec-decode-verify", "29", (gh("sgl-project/sglang", 27658), gh("sgl-project/sglang", 40419),
                                      gh("vllm-project/vllm-ascend", 12255), gh("NVIDIA/TensorRT-LLM", 13782)),
         "spec-decode verify keeps the state advanced by rejected drafts", "MTP / spec decode", "No",
-        "spec-decode", _spec(accept=S.accept_keeping_rejected_drafts), "stateful", located=SPEC_STATE,
+        "spec-decode", _spec(accept=S.accept_keeping_rejected_drafts), "stateful", located=where.SPEC_STATE,
         engine_tests=(f"{ENGINES}test_sglang_27658_verify_keeps_the_rejected_drafts",
                       f"{ENGINES}test_vllm_spec_rows_keep_the_rejected_drafts"),
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/spec_decode.py); and around the "
@@ -632,14 +377,14 @@ BUGS = (
         "heterogeneous prefill / decode TP in disaggregated serving: the conv state ([x|B|C] in Mamba2, [q|k|v] in "
         "GDN) moved with a flat split of its channels, so a decode rank's slice crosses the sections",
         "TP (state resharding)", "No", "state-handoff", _handoff(H.handoff_splitting_conv_flat), "stateful",
-        located=_handed_off(H.handoff_splitting_conv_flat, Placement(), Placement(tp=2), 0),
+        located=where.handed_off(H.handoff_splitting_conv_flat, Placement(), Placement(tp=2), 0),
         fidelity="moved", fidelity_note=("Mamba2's conv state (Falcon-H1) in vLLM's NIXL transfer; planted in the "
             "project's handoff client of linattn's GDN layer (suites/clients/state_handoff.py)")),
     Bug("sglang-23746", "N2", (gh("sgl-project/sglang", 23746), gh("sgl-project/sglang", 23744, "pull")),
         "TP 1 prefill to TP 4 decode: dst_heads_per_rank = 2 // 4 = 0, so every decode rank maps to key head 0 "
         "(part b, the GDN conv state [K, K, V] sliced across group boundaries, is vllm-55208's flat split)",
         "TP (state resharding) + key heads", "No", "state-handoff", _handoff(H.handoff_with_heads_per_rank_floored),
-        "stateful", located=_handed_off(H.handoff_with_heads_per_rank_floored, Placement(), Placement(tp=4),
+        "stateful", located=where.handed_off(H.handoff_with_heads_per_rank_floored, Placement(), Placement(tp=4),
                                         REPLICATED_CONFIG.key_head_replicas(4)),
         fidelity="partial", fidelity_note=("part (a), the heads per rank floored to 0, in the project's handoff "
             "client; part (b) is vllm-55208's plant")),
@@ -647,7 +392,7 @@ BUGS = (
         "the conv state [layers, size+1, conv_dim/tp, W-1] holds 3 segments; the transfer merged the prefill "
         "ranks' shards in one shot instead of per segment (prefill attn_tp 8 to decode attn_tp 1)",
         "TP (state resharding)", "No", "state-handoff-merge", _handoff(H.handoff_merging_conv_in_one_shot), "stateful",
-        located=_handed_off(H.handoff_merging_conv_in_one_shot, Placement(tp=2), Placement(), 0),
+        located=where.handed_off(H.handoff_merging_conv_in_one_shot, Placement(tp=2), Placement(), 0),
         fidelity="faithful", fidelity_note=("in the project's handoff client (suites/clients/state_handoff.py), TP 2 "
             "to TP 1, not sglang's transfer code")),
     Bug("vllm-56531", "N5", (gh("vllm-project/vllm", 56531, "pull"), gh("vllm-project/vllm", 40875),
@@ -656,7 +401,7 @@ BUGS = (
         "decode path, which keeps one slot per request (block_table[:, 0]), and read column 0: the state before "
         "the previous step's accepted tokens, not column num_accepted_tokens - 1", "MTP / spec decode", "No",
         "spec-decode-mixed", _row_spec(verify=S.row_verify_reading_column_0_for_undrafted_rows), "stateful",
-        located=_undrafted_after_accepting(),
+        located=where.undrafted_after_accepting(),
         engine_tests=(f"{ENGINES}test_vllm_56531_undrafted_rows_on_the_non_spec_path",),
         fidelity="faithful", fidelity_note=("in the project's row client (suites/clients/spec_decode.py), and in "
             "vLLM 0.33.0's glue around its own kernels (the undrafted rows split off to causal_conv1d_update and "
@@ -665,7 +410,7 @@ BUGS = (
         "LFM2's short_conv under any speculative method: the conv state sized W-1 with no room for the drafts and "
         "num_accepted_tokens never passed to its metadata builder, so the conv window keeps the rejected drafts",
         "MTP / spec decode", "No", "spec-decode-mixed", _row_spec(verify=S.row_verify_keeping_one_conv_window),
-        "stateful", located=_conv_window_of_rejected_drafts(),
+        "stateful", located=where.conv_window_of_rejected_drafts(),
         fidelity="moved", fidelity_note=("LFM2's short_conv (a conv-only mixer) in vLLM; planted in the GDN row "
             "client's conv state (suites/clients/spec_decode.py), whose recurrent state keeps its per-token columns")),
     Bug("sglang-38975", "30", (gh("sgl-project/sglang", 38975), gh("vllm-project/vllm", 53877),
@@ -673,7 +418,7 @@ BUGS = (
         "GDN packed decode rounds sigmoid(beta) through bf16; the error enters the state every token",
         "dtype (state precision)", "No", "continuation", _path(S.DecodeBetaThroughBF16), "stateful",
         # beta enters the recurrence only: the conv state stays right
-        located=first_wrong_in_decode() + r"[\s\S]*?" + final_state_off("recurrent"),
+        located=where.first_wrong_in_decode() + r"[\s\S]*?" + where.final_state_off("recurrent"),
         fidelity="faithful"),
     Bug("trt-model-connect-725", "31", (gh("NVIDIA/TensorRT-Model-Connect", 725, "pull"), gh("ollama/ollama", 15865),
                                         gh("intel/llm-scaler", 559), gh("vllm-project/vllm", 39032),
@@ -688,7 +433,7 @@ BUGS = (
                                    gh("AI-Hypercomputer/maxtext", 5295, "pull")),
         "padding leaks into the conv / recurrent state on continued forwards", "padding masks in the state path",
         "No", "padded", _padded(forward=S.forward_ignoring_the_mask_when_continued), "stateful",
-        located=PADDED_STATE,
+        located=where.PADDED_STATE,
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/padded.py), not transformers' "
             "or maxtext's code")),
     Bug("megatron-4495", "33", (gh("NVIDIA/Megatron-LM", 4495), gh("verl-project/verl", 6559),
@@ -697,8 +442,8 @@ BUGS = (
         "THD + CP: local chunks indexed with the unpadded cu_seqlens_q instead of cu_seqlens_q_padded",
         "padded THD under CP", "No", "cp-padded", _layer(L.UnpaddedOffsets), "sharded",
         # the first sequence whose padded start differs runs on from the pads before it (rank 0 holds its token 0)
-        located=first_wrong_per_rank("record/cp2-zigzag-padded/seed44",
-                                     at_token(checks.CU[_first_padded_sequence()])),
+        located=where.first_wrong_per_rank("record/cp2-zigzag-padded/seed44",
+                                     where.at_token(checks.CU[where.first_padded_sequence()])),
         fidelity="moved", fidelity_note=("#4495 is the MTP roll's unpadded offsets (verl #6559 the GDN case); "
             "planted in linattn's CP context of GDN's ops")),
     Bug("megatron-098d7d97", "also", (commit("NVIDIA/Megatron-LM", "098d7d97"), gh("ISEEKYAN/Megatron-LM", 111, "pull"),
@@ -708,14 +453,14 @@ BUGS = (
         # no note first (the batch did not run as one sequence: prime-rl #3002's), then rank 0 wrong from the
         # first true boundary the division drops
         located=(r"\Aparity failed for case record/cp2-contiguous/seed44: [\s\S]*?"
-                 + first_wrong_per_rank("record/cp2-contiguous/seed44", at_token(_first_boundary_lost_by_division()))),
+                 + where.first_wrong_per_rank("record/cp2-contiguous/seed44", where.at_token(where.first_boundary_lost_by_division()))),
         fidelity="faithful", fidelity_note=("to ISEEKYAN/Megatron-LM #111's account; the commit itself is unverified")),
     Bug("megatron-d749b6c7", "also", (commit("NVIDIA/Megatron-LM", "d749b6c7"),),
         "a hard-coded 4096-token conv pad: the tokens of a longer CP piece past it are convolved from zeros",
         "CP halo / conv", "also found", "cp-parity", _layer(L.ConvPaddedToFixedLength), "sharded",
         # rank 0 right up to the pad length, wrong from it (rank 1 from its first token: its halo is rank 0's
         # zeroed tail)
-        located=first_wrong_per_rank("record/cp2-contiguous/seed44", at_token(L.HARD_CODED_CONV_TOKENS)),
+        located=where.first_wrong_per_rank("record/cp2-contiguous/seed44", where.at_token(L.HARD_CODED_CONV_TOKENS)),
         fidelity="faithful", fidelity_note=("the 4096-token pad scaled to 12 tokens; the commit itself is unverified")),
     Bug("verl-6609", "also", (gh("verl-project/verl", 6609), gh("NVIDIA/Megatron-LM", 3959)),
         "grad_norm blows up at CP > 1: Megatron-Bridge forces calculate_per_token_loss under CP, where megatron-core "
@@ -726,7 +471,7 @@ BUGS = (
         "gradient reduction (trainer)", "also found", "training-cp",
         _training(loss=functools.partial(per_token_loss_step, L.loss_without_token_count)), "trainer",
         # x32: each micro-batch's 32 tokens, the count the division never got
-        located=_loss_without_token_count(),
+        located=where.loss_without_token_count(),
         fidelity="partial", fidelity_note=("the division by the token count skipped (verl's 2-tuple), in a trainer "
             "on megatron-core's contract (suites/clients/per_token_loss.py), moved from finalize_model_grads into "
             "its loss step; the aux / z-loss terms it hit upstream are not there")),
@@ -739,21 +484,21 @@ BUGS = (
         # only the last layer is off: the hidden state after layer 1 (reduced by layer 2's input norm) is right
         located=(r"decoder stack of 2 layers at TP 2: off: the hidden state after layer 2 of 2, the output; right: "
                  r"the hidden state after layer 1 of 2\n[\s\S]*?"
-                 + parity_row("record/stack/output/tp2/seed44 output tp_rank0", TOKEN)),
+                 + where.parity_row("record/stack/output/tp2/seed44 output tp_rank0", where.TOKEN)),
         fidelity="faithful", fidelity_note=("in the project's decoder-stack client (suites/clients/tp_decoder.py), "
             "not sglang's code")),
     Bug("sglang-38622", "also", (gh("sgl-project/sglang", 38622),),
         "the decode conv update reads the first W-1 columns of a wider conv state", "state carry (conv)",
         "also found", "continuation", _path(decode=S.decode_reading_the_first_columns_of_a_wider_state), "stateful",
         # the conv update reads the wrong columns: the conv state goes wrong with the outputs
-        located=first_wrong_in_decode() + r"[\s\S]*?" + final_state_off("conv", count=2),
+        located=where.first_wrong_in_decode() + r"[\s\S]*?" + where.final_state_off("conv", count=2),
         fidelity="partial", fidelity_note=("the read of the first W-1 columns of a wider conv state (synthesised W "
             "wide); the ignored cache_seqlens half is not planted")),
     Bug("sparkinfer-1071", "also", (gh("gittensor-ai-lab/sparkinfer", 1071, "pull"), gh("lablup/mlxcel", 1749)),
         "prefill past a chunk limit (a piece at position > 0) restarted from zero state", "state carry",
         "also found", "continuation", _path(prefill=S.prefill_restarting_past_a_chunk_limit), "stateful",
         # the token at the limit: the piece after it restarts
-        located=first_wrong_in_prefill(lambda size, offset: S.PREFILL_LIMIT if size > S.PREFILL_LIMIT else None),
+        located=where.first_wrong_in_prefill(lambda size, offset: S.PREFILL_LIMIT if size > S.PREFILL_LIMIT else None),
         fidelity="faithful", fidelity_note=("the client's prefill limit (2048) scaled to 6 tokens")),
     Bug("veomni-1085", "also", (gh("ByteDance-Seed/VeOmni", 1085),),
         "warm-up collectives issued on the first forward and not in the non-reentrant checkpoint's replay: the "
@@ -768,7 +513,7 @@ BUGS = (
         "state mutated in the forward (a router's balancing bias) is read again by the checkpoint's replay, so "
         "the backward computes on other values than the forward", "activation recompute", "No", "recompute",
         lambda: L.balance_bias_layer(CONFIG), "sharded",
-        located=_replay_on_moved_state(),
+        located=where.replay_on_moved_state(),
         fidelity="moved", fidelity_note=("a MoE router's balancing bias, mutated in forward, becomes an input bias "
             "buffer of the GDN layer")),
 )
