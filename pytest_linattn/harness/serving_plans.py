@@ -1,8 +1,8 @@
 """The serving modes' schedules and their words (the state pool's, shared by speculative decoding
 and padded batches): which placements the modes take, CP fillers, the state pool's call schedule
 (admission around reserved slots, padded decode calls and where their padding rows point, prefix
-snapshots and hits), the fill of the slots no sequence holds, the paths' `state_dtypes` rule and
-how a report names a call and a rank. pytest_linattn.harness.state_pool's docstring says what the
+snapshots at chunk ends or inside chunks too, prefix hits), the fill of the slots no sequence
+holds, the paths' `state_dtypes` rule and how a report names a call and a rank. pytest_linattn.harness.state_pool's docstring says what the
 schedule does. This module imports no pytest."""
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from .continuation_plans import cp_filler
 from .placement import Placement
 from .state_pool_rank import PoolCall
 
-__all__ = ["CAPTURE_SIZES", "FREE_FILL", "PAD_TARGETS", "SENTINEL", "check_pool_placements", "check_prefix_hits",
-           "check_state_dtype_names", "check_state_dtypes", "describe_call", "describe_fillers", "free_fill",
-           "pool_schedule", "rank_note", "sequence_slots", "snapshots_of", "with_cp_fillers"]
+__all__ = ["CAPTURE_SIZES", "FREE_FILL", "PAD_TARGETS", "SENTINEL", "check_hits_served", "check_pool_placements",
+           "check_prefix_hits", "check_state_dtype_names", "check_state_dtypes", "chunk_of", "describe_call",
+           "describe_fillers", "free_fill", "pool_schedule", "rank_note", "sequence_slots", "snapshots_of",
+           "with_cp_fillers"]
 
 CAPTURE_SIZES = (1, 2, 4, 8, 16, 32)  # decode batch sizes a graph is captured for
 PAD_TARGETS = ("sentinel", "slot 0", "free slot")  # what padding rows point at, in turn (padding_slot None)
@@ -113,14 +114,19 @@ def describe_fillers(calls) -> str:
 
 
 def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES, block_size=None,
-                  prefix_hits=None, *, padding_slot=None, reserved_slots=()) -> list[PoolCall]:
+                  prefix_hits=None, *, padding_slot=None, reserved_slots=(), inner_snapshots=False) -> list[PoolCall]:
     """The calls in order (module docstring): each step one prefill call, then one padded decode
     call. The pool's slots 0..P-1 less `reserved_slots` are the sequences' (the lowest free one
     first); a reserved slot is never given to a sequence. Padding rows point at `padding_slot`:
     -1, 0 (or another reserved slot), "free" (the lowest free slot), or None: the sentinel -1,
     slot 0 and the lowest free slot in turn (-1 where none is free: a full pool). Prefix mode:
     snapshot slots from P on, one per chunk ending on a block boundary; a prefix hit's first chunk
-    waits for the snapshot it starts from."""
+    waits for the snapshot it starts from (ValueError naming prefix_hits where no call writes it).
+    `inner_snapshots` (prefix mode): also a snapshot slot per block boundary strictly inside a
+    chunk, in token order (the call's `inner_snapshot_slots` and `inner_snapshot_offsets`);
+    ValueError where no chunk crosses one (the option would check nothing)."""
+    if inner_snapshots and not block_size:
+        raise ValueError("inner_snapshots needs block_size (snapshots at the block boundaries inside a chunk)")
     waiting, live, done = list(range(len(plans))), {}, {}
     free = [s for s in range(P) if s not in reserved_slots]
     progress = {n: 0 for n in range(len(plans))}  # work items done: chunks, then decode tokens
@@ -140,7 +146,7 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
         prefill = [n for n in sorted(live) if progress[n] < len(plans[n].chunks)
                    and (progress[n] or n not in hits or tuple(hits[n]) in blocks)]
         if prefill:
-            tokens, lengths, snapshot, prefix = [], [], [], []
+            tokens, lengths, snapshot, prefix, inner = [], [], [], [], []
             taken = {slot: key for key, slot in blocks.items()}
             for n in prefill:
                 k = progress[n]
@@ -149,13 +155,23 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
                 tokens.append(torch.arange(bounds[n] + start, bounds[n] + end))
                 lengths.append(plans[n].chunks[k])
                 prefix.append(blocks[tuple(hits[n])] if k == 0 and n in hits else -1)
+                inner.append([])
+                if inner_snapshots:  # the block boundaries strictly inside the chunk, in order
+                    for b in range(start - start % block_size + block_size, end, block_size):
+                        blocks[(n, b)] = P + len(blocks)
+                        inner[-1].append((blocks[(n, b)], b - start))
                 snapshot.append(-1)
                 if block_size and end % block_size == 0:
                     snapshot[-1] = blocks[(n, end)] = P + len(blocks)
+            width = max(map(len, inner))
+            rows = [row + [(-1, -1)] * (width - len(row)) for row in inner]
             calls.append(PoolCall("prefill", tuple(prefill), tuple(live[n] for n in prefill), torch.cat(tokens),
                                   torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
                                   tuple(progress[n] == 0 and n not in hits for n in prefill), len(prefill), None,
-                                  dict(live), *((tuple(snapshot), tuple(prefix), taken) if block_size else ())))
+                                  dict(live), *((tuple(snapshot), tuple(prefix), taken) if block_size else ()),
+                                  **(dict(inner_snapshot_slots=tuple(tuple(s for s, _ in r) for r in rows),
+                                          inner_snapshot_offsets=tuple(tuple(o for _, o in r) for r in rows))
+                                     if inner_snapshots else {})))
         decoding = [n for n in sorted(live) if n not in prefill
                     and len(plans[n].chunks) <= progress[n] < len(plans[n].chunks) + plans[n].decode]
         if decoding:
@@ -179,6 +195,13 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
             pad_x = torch.randn(1, size - len(decoding), hidden_size, generator=gen, dtype=torch.float64)
             calls.append(PoolCall("decode", tuple(decoding), tuple(slots), tokens, None, None, len(decoding), pad_x,
                                   dict(live)))
+        if not prefill and not decoding:  # every live sequence a hit waiting for a snapshot no call writes
+            n = min(live)
+            m, t = hits[n]
+            raise ValueError(f"prefix_hits[{n}] = ({m}, {t}): sequence {n} waits for the snapshot of sequence {m} at "
+                             f"token {t}, which no prefill call writes (sequence {m}'s snapshots: tokens "
+                             f"{sorted(b for s, b in blocks if s == m)}); a hit starts from a snapshot an earlier "
+                             f"call wrote")
         for n in prefill + decoding:
             progress[n] += 1
         for n in [n for n in live if progress[n] == len(plans[n].chunks) + plans[n].decode]:
@@ -186,7 +209,26 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
             free.append(done[n])
             free.sort()
         admit()
+    if inner_snapshots and not any(s >= 0 for c in calls if c.kind == "prefill" for r in c.inner_snapshot_slots
+                                   for s in r):
+        raise ValueError(f"inner_snapshots: no prefill chunk of these plans crosses a multiple of block_size "
+                         f"{block_size} strictly inside it (every chunk: {[list(pl.chunks) for pl in plans]}), so the "
+                         f"option checks nothing here; give a chunk that crosses a block boundary, or leave it off")
     return calls
+
+
+def check_hits_served(calls, hits) -> None:
+    """ValueError naming prefix_hits where a hit's first call does not start from its snapshot,
+    written by an earlier call (a prefix block of the call): a hit that restores nothing checks
+    nothing. By construction of `pool_schedule` it holds; this says so where it would not."""
+    for n, (m, t) in hits.items():
+        first = next((c for c in calls if c.kind == "prefill" and n in c.sequences), None)
+        k = first.sequences.index(n) if first is not None else None
+        slot = first.prefix_slots[k] if first is not None and first.prefix_slots is not None else -1
+        if slot < 0 or (first.blocks or {}).get(slot) != (m, t):
+            raise ValueError(f"prefix_hits[{n}] = ({m}, {t}): sequence {n}'s first prefill call does not start from "
+                             f"the snapshot of sequence {m} at token {t} written by an earlier call (its prefix slot "
+                             f"{slot}); a hit that restores no snapshot checks nothing")
 
 
 def describe_call(i, call) -> str:
@@ -194,6 +236,8 @@ def describe_call(i, call) -> str:
         extra = ""
         if call.snapshot_slots is not None and any(s >= 0 for s in call.snapshot_slots):
             extra += f", snapshots to slots {list(call.snapshot_slots)}"
+        if call.inner_snapshot_slots is not None and any(s >= 0 for r in call.inner_snapshot_slots for s in r):
+            extra += f", inner snapshots to slots {[list(r) for r in call.inner_snapshot_slots]}"
         if call.prefix_slots is not None and any(s >= 0 for s in call.prefix_slots):
             extra += f", from prefix slots {list(call.prefix_slots)}"
         return f"call {i} (prefill of sequences {list(call.sequences)} in slots {list(call.slots)}{extra})"
@@ -204,19 +248,38 @@ def describe_call(i, call) -> str:
 
 
 def snapshots_of(call, bounds):
-    """(sequence, snapshot slot, token) of each snapshot a prefill call writes."""
+    """(sequence, snapshot slot, token) of each snapshot a prefill call writes: each sequence's
+    inner ones (inner snapshots: in token order), then its chunk-end one."""
     if call.snapshot_slots is None:
         return []
-    ends = call.cu_seqlens[1:].tolist()
-    return [(seq, slot, int(call.tokens[end - 1]) + 1 - bounds[seq])
-            for seq, slot, end in zip(call.sequences, call.snapshot_slots, ends) if slot >= 0]
+    cu = call.cu_seqlens.tolist()
+    inner = call.inner_snapshot_slots or ((),) * len(call.sequences)
+    offsets = call.inner_snapshot_offsets or ((),) * len(call.sequences)
+    found = []
+    for k, (seq, slot) in enumerate(zip(call.sequences, call.snapshot_slots)):
+        start = int(call.tokens[cu[k]]) - bounds[seq]
+        found += [(seq, s, start + o) for s, o in zip(inner[k], offsets[k]) if s >= 0]
+        if slot >= 0:
+            found.append((seq, slot, int(call.tokens[cu[k + 1] - 1]) + 1 - bounds[seq]))
+    return found
 
 
-def check_prefix_hits(block_size, prefix_hits, plans, bounds) -> dict:
-    """prefix_hits as {n: (m, tokens)}, each hit starting from a snapshot that sequence m takes."""
+def chunk_of(call, seq, bounds):
+    """(start, end) of sequence `seq`'s chunk in prefill call `call`, in tokens of the sequence."""
+    k = call.sequences.index(seq)
+    cu = call.cu_seqlens.tolist()
+    return int(call.tokens[cu[k]]) - bounds[seq], int(call.tokens[cu[k + 1] - 1]) + 1 - bounds[seq]
+
+
+def check_prefix_hits(block_size, prefix_hits, plans, bounds, inner_snapshots=False) -> dict:
+    """prefix_hits as {n: (m, tokens)}, each hit starting from a snapshot that sequence m takes:
+    where a chunk of m ends on a block boundary, or (`inner_snapshots`) at any block boundary
+    of m's chunks."""
     if block_size is None:
         if prefix_hits:
             raise ValueError("prefix_hits needs block_size (a hit starts from a snapshot at a block boundary)")
+        if inner_snapshots:
+            raise ValueError("inner_snapshots needs block_size (snapshots at the block boundaries inside a chunk)")
         return {}
     positive_int(block_size, "block_size")
     hits = {}
@@ -228,7 +291,14 @@ def check_prefix_hits(block_size, prefix_hits, plans, bounds) -> dict:
         if not (isinstance(n, int) and 0 <= m < n < len(plans)):
             raise ValueError(f"prefix_hits: sequence {n} may start from an earlier sequence's snapshot only "
                              f"(0 <= m < n < {len(plans)}), got {n}: {hit}")
-        if m in dict(prefix_hits) or tokens not in ends or tokens % block_size or tokens >= bounds[n + 1] - bounds[n]:
+        if inner_snapshots:
+            boundaries = list(range(block_size, (ends[-1] if ends else 0) + 1, block_size))
+            if m in dict(prefix_hits) or tokens not in boundaries or tokens >= bounds[n + 1] - bounds[n]:
+                raise ValueError(f"prefix_hits[{n}] = ({m}, {tokens}): with inner_snapshots tokens must be a block "
+                                 f"boundary of sequence {m}'s chunks (not itself a hit; multiples of block_size "
+                                 f"{block_size} up to its prefilled {ends[-1] if ends else 0} tokens: {boundaries}), "
+                                 f"shorter than sequence {n}")
+        elif m in dict(prefix_hits) or tokens not in ends or tokens % block_size or tokens >= bounds[n + 1] - bounds[n]:
             raise ValueError(f"prefix_hits[{n}] = ({m}, {tokens}): tokens must be where a prefill chunk of sequence "
                              f"{m} (not itself a hit) ends on a multiple of block_size {block_size} (its chunks end "
                              f"at {ends}), shorter than sequence {n}")

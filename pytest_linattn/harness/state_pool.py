@@ -46,8 +46,11 @@ from another's snapshot (its first tokens are that sequence's, restored, not rec
 computes only the rest. The prefill gets `snapshot_slots` and `prefix_slots` per sequence. Each
 snapshot must equal the float64 state at its boundary; a prefix hit's outputs and final state
 must equal the serial run of its whole sequence; no call may change a prefix block after the call
-that wrote it (the shared-block rule: the call that reads it included). This module imports no
-pytest.
+that wrote it (the shared-block rule: the call that reads it included). A path with
+`inner_snapshots` (an engine whose snapshot cadence is shorter than its chunks) also snapshots
+every block boundary strictly inside a chunk (the prefill gets `inner_snapshot_slots` and
+`inner_snapshot_offsets`); those snapshots are checked the same way, a hit may start from any of
+them, and chunks need not end on block boundaries. This module imports no pytest.
 """
 
 from __future__ import annotations
@@ -67,9 +70,9 @@ from .cases import ShardedLayer
 from .continuation_plans import SequencePlan
 from .continuation_report import cp_view, field_names
 from .placement import Placement, as_cu_seqlens
-from .serving_plans import (CAPTURE_SIZES, check_pool_placements, check_prefix_hits, check_state_dtype_names,
-                            check_state_dtypes, describe_call, describe_fillers, free_fill, pool_schedule,
-                            sequence_slots, snapshots_of, with_cp_fillers)
+from .serving_plans import (CAPTURE_SIZES, check_hits_served, check_pool_placements, check_prefix_hits,
+                            check_state_dtype_names, check_state_dtypes, chunk_of, describe_call, describe_fillers,
+                            free_fill, pool_schedule, sequence_slots, snapshots_of, with_cp_fillers)
 from .state_pool_rank import RankPool, rebuild_state, run_pool_on_rank
 
 __all__ = ["StatePoolPath", "assert_state_pool_parity"]
@@ -89,7 +92,11 @@ class StatePoolPath:
         where the sequence's state at the chunk's end (a block boundary) is to be written too, -1
         for none; and `prefix_slots` `[N]` int64: the snapshot a prefix hit starts from (instead of
         its own slot, which holds a previous sequence's state), -1 for none; it may not change it.
-        Under CP: x is this CP rank's contiguous piece of the call's T / cp tokens and y its
+        With `inner_snapshots` also `inner_snapshot_slots` and `inner_snapshot_offsets`, each
+        `[N, B]` int64 (B the call's most, possibly 0; rows padded with -1): for each block
+        boundary strictly inside the sequence's chunk, in token order, the slot where the state
+        there is to be written and its offset in the chunk (the chunk's tokens before it: the state
+        after x[cu_seqlens[n] : cu_seqlens[n] + offset] of the chunk). Under CP: x is this CP rank's contiguous piece of the call's T / cp tokens and y its
         outputs; cu_seqlens, slots, fresh (and the keywords) are the whole call's, a filler's last
         where the call holds one (fresh, in a scratch slot, -1 in the keywords), and every CP rank
         writes every sequence's state (linattn's layer returns the final states whole on every CP rank).
@@ -113,6 +120,13 @@ class StatePoolPath:
         every decode call of that size, refilling the static buffers from the call's inputs (as
         decode's). Between the replays of one size the batch's layout changes (its valid rows,
         their slots, the padding rows), as between a captured graph's replays in an engine.
+    inner_snapshots: prefix mode only, CP 1 only: snapshots also at every block boundary strictly
+        inside a chunk (an engine whose snapshot cadence is shorter than its prefill chunk: sglang's
+        mamba_track, FlashInfer's mid-prefill states), passed as `inner_snapshot_slots` and
+        `inner_snapshot_offsets`; each is checked against the float64 state at its boundary, a
+        prefix hit may start from any snapshot, and chunks need not end on block boundaries.
+        Plans whose chunks cross no inner boundary are refused (the option would check nothing).
+        Default False: snapshots only where a chunk ends on a block boundary (vLLM's align mode).
     """
 
     layer: ShardedLayer
@@ -124,6 +138,7 @@ class StatePoolPath:
     padding_slot: int | str | None = None
     reserved_slots: tuple = ()
     capture: Callable | None = None
+    inner_snapshots: bool = False
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
@@ -145,6 +160,9 @@ class StatePoolPath:
             raise ValueError(f"StatePoolPath.reserved_slots must be distinct slot indices >= 0 (slots never given to a "
                              f"sequence, the engine's scratch; vLLM's null block: (0,)), got {reserved!r}")
         object.__setattr__(self, "reserved_slots", tuple(reserved))
+        if not isinstance(self.inner_snapshots, bool):
+            raise ValueError(f"StatePoolPath.inner_snapshots must be a bool (snapshots at the block boundaries inside "
+                             f"a chunk too, prefix mode), got {self.inner_snapshots!r}")
         pad = self.padding_slot
         if not (pad is None or pad == "free" or (isinstance(pad, int) and not isinstance(pad, bool)
                                                   and (pad in (-1, 0) or pad in self.reserved_slots))):
@@ -169,7 +187,8 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     sizes a graph is captured for; a decode call is padded to the next one. reference_forward(reference,
     x, cu_seqlens, state) -> (y, final_state), as the continuation check's. block_size: the prefix
     mode's block (module docstring); prefix_hits {n: (m, tokens)}: sequence n's first `tokens`
-    tokens are sequence m's (m < n), restored from m's snapshot there; plans[n] covers the rest."""
+    tokens are sequence m's (m < n), restored from m's snapshot there; plans[n] covers the rest.
+    With the path's `inner_snapshots` a hit may start from any block boundary of m's chunks."""
     __tracebackhide__ = True
     if not isinstance(path, StatePoolPath):
         raise ValueError(f"path must be a StatePoolPath, got {type(path).__name__}")
@@ -181,7 +200,8 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     plans = list(plans)
     if len(plans) != N or not all(isinstance(pl, SequencePlan) for pl in plans):
         raise ValueError(f"plans must hold one SequencePlan per sequence ({N}), got {plans!r}")
-    hits = check_prefix_hits(block_size, prefix_hits, plans, bounds)
+    inner = path.inner_snapshots
+    hits = check_prefix_hits(block_size, prefix_hits, plans, bounds, inner)
     for n, pl in enumerate(plans):
         if pl.length != bounds[n + 1] - bounds[n] - hits.get(n, (0, 0))[1]:
             raise ValueError(f"plans[{n}] covers {pl.length} tokens ({pl}); sequence {n} has "
@@ -193,6 +213,9 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     for c in capture_sizes:
         positive_int(c, "capture_sizes[...]")
     placements = check_pool_placements(placements, path, "the pool mode")
+    if inner and any(p.cp > 1 for p in placements):
+        raise ValueError(f"StatePoolPath.inner_snapshots runs at cp 1 only (a CP rank holds a piece of a chunk, not "
+                         f"the states inside it); got {[p.name for p in placements if p.cp > 1]}")
 
     reserved = path.reserved_slots
     full_count = min(max_live, N)  # the full pool: as many slots as sequences live at once
@@ -235,7 +258,7 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
             case = RankPool(path, p, {k: t.detach() for k, t in reference.named_parameters()}, x, run.pool, placed,
                             dtype, field_names(probe))
             results = spawn(run_pool_on_rank, p.size, case)
-            prefix = (_check_snapshots(p, path, plans, run.calls, results, run.snapshots, run.expected, rtol)
+            prefix = (_check_snapshots(p, path, plans, bounds, run, results, rtol, state_at)
                       if run.snapshots else [])
             report = _check(f"{label}{p.name}/seed{seed}" + ("/full-pool" if run.kind == "full" else ""), p, path,
                             plans, bounds, placed, results, y_ref, ht_ref, rtol, prefix, run)
@@ -285,7 +308,8 @@ def _pool_run(kind, count, gen, probe, ht_ref, path, plans, bounds, max_live, hi
     P = count + len(reserved)
     fields = [torch.randn((P,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64) for t in ht_ref]
     calls = pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes, block_size, hits,
-                          padding_slot=path.padding_slot, reserved_slots=reserved)
+                          padding_slot=path.padding_slot, reserved_slots=reserved, inner_snapshots=path.inner_snapshots)
+    check_hits_served(calls, hits)
     snapshots = {s: (i, seq, t) for i, c in enumerate(calls) for seq, s, t in snapshots_of(c, bounds)}
     expected = {}
     if snapshots:  # the prefix blocks: slots after the live ones, random until written
@@ -404,9 +428,11 @@ def _unshard(path, p, per_tp_rank) -> list:
     return [t.double() for t in (per_tp_rank[0] if p.tp == 1 else path.unshard_state(per_tp_rank, p))]
 
 
-def _check_snapshots(p, path, plans, calls, results, snapshots, expected, rtol) -> list[str]:
+def _check_snapshots(p, path, plans, bounds, run, results, rtol, state_at) -> list[str]:
     """The prefix blocks changed after their call, then each snapshot against the float64 state
-    at its boundary."""
+    at its boundary (an inner snapshot named with the chunk it lies in; with inner snapshots a
+    wrong one also says what it holds where that is recognised: `_held`)."""
+    calls, snapshots, expected = run.calls, run.snapshots, run.expected
     failures = []
     for r, result in enumerate(results):
         for i, slot, field, diff in result["changed_blocks"]:
@@ -424,10 +450,31 @@ def _check_snapshots(p, path, plans, calls, results, snapshots, expected, rtol) 
         got = _unshard(path, p, per_rank)
         for k, slot in enumerate(order):
             i, seq, t = snapshots[slot]
-            for field, a, e in zip(names, got, expected[slot]):
-                err = float(torch.linalg.vector_norm(a[k] - e)) / (float(torch.linalg.vector_norm(e)) or 1.0)
+            start, end = chunk_of(calls[i], seq, bounds)
+            where = f"token {t}" if t == end else f"token {t}, inside its {end - start}-token chunk from token {start},"
+            for f, (field, a, e) in enumerate(zip(names, got, expected[slot])):
+                err = _error(a[k], e)
                 if not err <= rtol:
+                    held = (_held(a[k], f, run.pool[f][slot], seq, t, start, end, rtol, state_at)
+                            if path.inner_snapshots else "")
                     failures.append(f"{describe_call(i, calls[i])}: the snapshot of sequence {seq} ({plans[seq]}) at "
-                                    f"token {t} in slot {slot} is not the state there: field {field} error {err:.1e}"
-                                    + (f" (cp_rank{c})" if p.cp > 1 else ""))
+                                    f"{where} in slot {slot} is not the state there: field {field} error {err:.1e}"
+                                    + held + (f" (cp_rank{c})" if p.cp > 1 else ""))
     return failures
+
+
+def _error(actual, expected) -> float:
+    return float(torch.linalg.vector_norm(actual.double() - expected)) / (float(torch.linalg.vector_norm(expected))
+                                                                          or 1.0)
+
+
+def _held(actual, f, initial, seq, t, start, end, rtol, state_at) -> str:
+    """What a wrong snapshot's field `f` holds, where recognised: the slot's contents before the
+    run (never written), or the float64 state at another token of its chunk (published under a
+    boundary it does not represent); '' otherwise."""
+    if _error(actual, initial) <= rtol:
+        return "; it holds the slot's contents from before (never written)"
+    for u in [end] + [u for u in range(max(start, 1), end) if u != t]:
+        if u != t and _error(actual, state_at(seq, u)[f]) <= rtol:
+            return f"; it holds the state at token {u}" + (" (its chunk's end)" if u == end else "")
+    return ""

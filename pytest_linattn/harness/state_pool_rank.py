@@ -29,8 +29,11 @@ class PoolCall:
     live slots when it runs (sequence -> slot). In prefix mode (a block size given) a prefill
     call also names each sequence's snapshot slot (where its state at the chunk's end, a block
     boundary, goes) and prefix slot (the snapshot a prefix hit starts from), and the snapshots
-    (prefix blocks) taken before it, which it may not change. Under CP a prefill call whose tokens
-    do not divide by cp carries a filler: (its input `[1, pad, hidden]`, its scratch slot)."""
+    (prefix blocks) taken before it, which it may not change; with inner snapshots (the path's
+    `inner_snapshots`) also, per sequence, the slots of the block boundaries strictly inside its
+    chunk and their offsets in the chunk (tokens of the chunk before the boundary), each row
+    padded with -1 to the call's most. Under CP a prefill call whose tokens do not divide by cp
+    carries a filler: (its input `[1, pad, hidden]`, its scratch slot)."""
 
     kind: str
     sequences: tuple
@@ -45,6 +48,8 @@ class PoolCall:
     prefix_slots: tuple | None = None  # prefix mode: per sequence the snapshot it starts from, -1: none
     blocks: dict | None = None  # prefix mode: the snapshots taken before the call, slot -> (sequence, token)
     filler: tuple | None = None  # under CP: (input [1, pad, hidden], scratch slot) of a filler sequence
+    inner_snapshot_slots: tuple | None = None  # inner snapshots: per sequence the slots of its inner boundaries, -1 padded
+    inner_snapshot_offsets: tuple | None = None  # inner snapshots: per sequence their offsets in the chunk, -1 padded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,12 +85,37 @@ def prefill_on_rank(prefill, module, placement, x, cu_seqlens, pool, slots, fres
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + filler_x.shape[1]])
         slots.append(filler_slot)
         fresh.append(True)
-        slot_keywords = {k: tuple(v) + (-1,) for k, v in slot_keywords.items()}
+        slot_keywords = {k: tuple(v) + (_none_like(v),) for k, v in slot_keywords.items()}
     piece, own = cp_share(x.shape[1], num_real, placement.cp, cp_rank)
     keywords = {k: torch.tensor(v, dtype=torch.int64, device=device) for k, v in slot_keywords.items()}
     y = prefill(module, x[:, piece], cu_seqlens.to(device), pool, torch.tensor(slots, dtype=torch.int64, device=device),
                 torch.tensor(fresh, dtype=torch.bool, device=device), placement, **keywords)
     return y[:, own.to(y.device)], torch.arange(x.shape[1])[piece][own]
+
+
+def _none_like(rows):
+    """A filler's entry in a keyword of per-sequence slots: -1, or a row of -1 where each
+    sequence has a row (inner snapshots `[N, B]`)."""
+    return tuple(-1 for _ in rows[0]) if rows and isinstance(rows[0], (tuple, list)) else -1
+
+
+def call_keywords(call) -> dict:
+    """A prefill call's prefix-mode keywords for the client's prefill (none outside prefix mode):
+    snapshot_slots and prefix_slots, and with inner snapshots inner_snapshot_slots and
+    inner_snapshot_offsets."""
+    if call.snapshot_slots is None:
+        return {}
+    keywords = dict(snapshot_slots=call.snapshot_slots, prefix_slots=call.prefix_slots)
+    if call.inner_snapshot_slots is not None:
+        keywords.update(inner_snapshot_slots=call.inner_snapshot_slots,
+                        inner_snapshot_offsets=call.inner_snapshot_offsets)
+    return keywords
+
+
+def written_snapshots(call) -> set:
+    """The snapshot slots a prefill call writes: its chunk-end snapshots and its inner ones."""
+    inner = [s for row in call.inner_snapshot_slots or () for s in row]
+    return {s for s in (*(call.snapshot_slots or ()), *inner) if s >= 0}
 
 
 def run_pool_on_rank(case: RankPool) -> dict:
@@ -111,8 +141,7 @@ def run_pool_on_rank(case: RankPool) -> dict:
             before = [t.clone() for t in pool]
             slots = torch.tensor(call.slots, dtype=torch.int64, device=device)
             if call.kind == "prefill":
-                prefix = {} if call.snapshot_slots is None else dict(snapshot_slots=call.snapshot_slots,
-                                                                     prefix_slots=call.prefix_slots)
+                prefix = call_keywords(call)
                 y, positions = prefill_on_rank(path.prefill, module, p, x[:, call.tokens], call.cu_seqlens, pool,
                                                call.slots, call.fresh, call.filler, device, case.dtype, **prefix)
                 tokens = call.tokens[positions]
@@ -129,7 +158,7 @@ def run_pool_on_rank(case: RankPool) -> dict:
                 decoded[tokens] = True
             y_out[:, tokens] = y.detach().cpu().to(case.dtype)
             held[tokens] = True
-            written = {s for s in call.snapshot_slots or () if s >= 0}
+            written = written_snapshots(call)
             scheduled = set(call.slots[:call.num_valid]) | written | set(call.blocks or ()) | reserved
             if call.filler is not None:  # the CP filler's scratch slot: the call's
                 scheduled.add(call.filler[1])

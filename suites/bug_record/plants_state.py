@@ -257,3 +257,72 @@ def forward_ignoring_the_mask_when_continued(module, x, attention_mask, state, p
     if state is None:
         return padded_forward(module, x, attention_mask, state, placement)
     return run_rows(module, x, torch.ones_like(attention_mask), state)
+
+
+# ---- inner snapshots (StatePoolPath.inner_snapshots): block boundaries inside a chunk ------------
+
+# the engine's snapshot cadence (sglang's mamba_cache_chunk_size; vLLM's RWKV-7 scatter chunk), at
+# the record's sizes: a chunk shorter than it writes no snapshot at the block boundaries inside it
+CADENCE = 8
+
+
+def prefill_skipping_inner_snapshots_of_short_chunks(module, x, cu_seqlens, pool, slots, fresh, placement,
+                                                     snapshot_slots, prefix_slots, inner_snapshot_slots,
+                                                     inner_snapshot_offsets):
+    """sglang #30938 / vLLM #41060 (a state-pool client's prefill with inner snapshots): the snapshot
+    cadence against the chunk size: a chunk shorter than CADENCE skips the track write at the block
+    boundaries inside it (sglang's track mask skipped with a warning; vLLM's RWKV-7 scatter returns
+    silently when mamba_block_size < chunk size), so those blocks keep stale contents, which a later
+    prefix hit restores. Its chunk-end snapshot and its own slot are right."""
+    short = (cu_seqlens.diff() < CADENCE).to(inner_snapshot_slots.device)
+    kept = inner_snapshot_slots.masked_fill(short[:, None], -1)
+    return pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots, prefix_slots, kept,
+                        inner_snapshot_offsets)
+
+
+def prefill_publishing_the_chunk_end_under_its_last_boundary(module, x, cu_seqlens, pool, slots, fresh, placement,
+                                                             snapshot_slots, prefix_slots, inner_snapshot_slots,
+                                                             inner_snapshot_offsets):
+    """vLLM #51113 (a state-pool client's prefill with inner snapshots): a prefill chunk not kept
+    block-aligned (past last_cache_position) publishes its chunk-end state under the last block
+    boundary it crossed, a state that boundary does not represent; the boundaries before it, its
+    own slot and every chunk that ends on a block boundary are right."""
+    y = pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots, prefix_slots,
+                     inner_snapshot_slots, inner_snapshot_offsets)
+    if inner_snapshot_slots.shape[1] == 0:
+        return y
+    last = inner_snapshot_slots.max(dim=1).values  # slots are given in token order: the last boundary's
+    unaligned = (snapshot_slots < 0) & (last >= 0)
+    for f in pool:
+        f[last[unaligned]] = f[slots[unaligned]]
+    return y
+
+
+def _chunks(plans, hits):
+    """(sequence, start, end) of every prefill chunk, in tokens of its sequence (a hit's chunks
+    after its restored prefix)."""
+    for n, plan in enumerate(plans):
+        start = hits[n][1] if n in hits else 0
+        for length in plan.chunks:
+            yield n, start, start + length
+            start += length
+
+
+def inner_boundaries(start, end, block_size):
+    """The multiples of block_size strictly inside the chunk [start, end)."""
+    return list(range(start - start % block_size + block_size, end, block_size))
+
+
+def stale_inner_snapshots(plans, hits, block_size):
+    """(sequence, token) of each snapshot prefill_skipping_inner_snapshots_of_short_chunks leaves
+    unwritten, in plan order: the block boundaries inside every chunk shorter than CADENCE."""
+    return [(n, b) for n, start, end in _chunks(plans, hits) if end - start < CADENCE
+            for b in inner_boundaries(start, end, block_size)]
+
+
+def misplaced_inner_snapshots(plans, hits, block_size):
+    """(sequence, token, chunk end) of each snapshot
+    prefill_publishing_the_chunk_end_under_its_last_boundary fills with its chunk-end state, in
+    plan order: the last block boundary inside every chunk that does not end on one."""
+    return [(n, inner_boundaries(start, end, block_size)[-1], end) for n, start, end in _chunks(plans, hits)
+            if end % block_size and inner_boundaries(start, end, block_size)]

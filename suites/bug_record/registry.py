@@ -7,8 +7,9 @@ mechanism lived in an engine's code around its kernels is also planted there (`p
 
 Adding a bug is one entry here and one plant. `caught`: the check must fail on the plant with a
 report matching `located` (a line naming the tensor and the sequence, token, head, call or rank
-where it is off; `bug_record.located` derives each from the record's sizes); otherwise `missing` names the check not built yet, and the closest check runs
-on the plant as a strict xfail (when the missing check is built, it turns into XPASS).
+where it is off; `bug_record.located` derives each from the record's sizes); otherwise `missing`
+names the check not built yet, and the closest check runs on the plant as a strict xfail (when
+the missing check is built, it turns into XPASS).
 
 A kernel row (`suite` other than "cpu") is a bug in fla's kernels, which the project's layers
 cannot reach (they hand fla B = 1 and contiguous gradients): its catch is a kernel test,

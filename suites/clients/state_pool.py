@@ -3,10 +3,13 @@ shared by the state-pool tests and the bug record: prefill and decode read and w
 scheduled slots of a pool in place, as a serving engine's layer call does.
 
 The prefill takes the prefix mode's keywords too (`snapshot_slots`, `prefix_slots`): a prefix
-hit reads its prefix block and writes its own slot.
+hit reads its prefix block and writes its own slot. With inner snapshots (`inner_snapshot_slots`,
+`inner_snapshot_offsets`) it runs each chunk in pieces split at its inner block boundaries, each
+piece from the previous piece's state, and writes the state at each boundary to its slot.
 
-`linattn_pool_path(config, prefill=..., decode=...)`: the harness's StatePoolPath for a config;
-a planted bug replaces prefill or decode (module-level functions: spawn pickles them by reference).
+`linattn_pool_path(config, prefill=..., decode=..., inner_snapshots=False)`: the harness's
+StatePoolPath for a config; a planted bug replaces prefill or decode (module-level functions:
+spawn pickles them by reference).
 `linattn_captured_pool_path(config, capture=...)`: the same with captured decode steps (a CUDA-graph
 runner's static buffers refilled per step; a real torch.cuda.CUDAGraph is not built yet).
 """
@@ -22,19 +25,24 @@ from linattn.layers import LayerState, shard_layer_state, unshard_layer_state
 from pytest_linattn.harness import StatePoolPath
 
 __all__ = ["captured_buffers", "decode_step_on", "linattn_captured_pool_path", "linattn_pool_path", "pool_capture",
-           "pool_decode", "pool_prefill", "replayed"]
+           "pool_decode", "pool_prefill", "prefill_in_pieces", "replayed"]
 
 
 def _rows(mask, rows):
     return mask.view(-1, *[1] * (rows.dim() - 1))
 
 
-def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots=None, prefix_slots=None):
+def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots=None, prefix_slots=None,
+                 inner_snapshot_slots=None, inner_snapshot_offsets=None):
     """Each sequence from its slot (zero when fresh; a prefix hit from its prefix slot), its final
-    state written back to the slot, and to its snapshot slot where it has one."""
+    state written back to the slot, and to its snapshot slot where it has one; with inner
+    snapshots, the chunk in pieces (`prefill_in_pieces`), each inner boundary's state to its slot."""
     read = slots if prefix_slots is None else torch.where(prefix_slots >= 0, prefix_slots, slots)
     state = LayerState(*(torch.where(_rows(fresh, f[read]), torch.zeros_like(f[read]), f[read]) for f in pool))
-    y, new = module(x, cu_seqlens, state, output_final_state=True)
+    if inner_snapshot_slots is not None and bool((inner_snapshot_slots >= 0).any()):
+        y, new = prefill_in_pieces(module, x, cu_seqlens, state, pool, inner_snapshot_slots, inner_snapshot_offsets)
+    else:
+        y, new = module(x, cu_seqlens, state, output_final_state=True)
     for f, n in zip(pool, new):
         f[slots] = n
     if snapshot_slots is not None:
@@ -42,6 +50,32 @@ def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_
         for f, n in zip(pool, new):
             f[snapshot_slots[taken]] = n[taken]
     return y
+
+
+def prefill_in_pieces(module, x, cu_seqlens, state, pool, inner_slots, inner_offsets):
+    """The chunks of a prefill call cut at their inner block boundaries (the offsets whose slot is
+    >= 0): round r runs the r-th piece of every sequence that has one, packed, from the state the
+    round before left (the first from `state`); the state at each inner boundary goes to its slot.
+    Returns the outputs of every token and each sequence's state at its chunk's end."""
+    starts, lengths = cu_seqlens[:-1].tolist(), cu_seqlens.diff().tolist()
+    cuts = [[(o, s) for s, o in zip(row_slots, row_offsets) if s >= 0]
+            for row_slots, row_offsets in zip(inner_slots.tolist(), inner_offsets.tolist())]
+    edges = [[0] + [o for o, _ in c] + [n] for c, n in zip(cuts, lengths)]
+    y, current = torch.empty_like(x), list(state)
+    for r in range(max(len(e) for e in edges) - 1):
+        rows = [n for n, e in enumerate(edges) if r + 1 < len(e)]
+        pieces = [torch.arange(starts[n] + edges[n][r], starts[n] + edges[n][r + 1]) for n in rows]
+        at = torch.tensor(rows, device=current[0].device)
+        cu = torch.tensor([0] + [len(p) for p in pieces]).cumsum(0).to(cu_seqlens)
+        index = torch.cat(pieces).to(x.device)
+        y_piece, new = module(x[:, index], cu, LayerState(*(f[at] for f in current)), output_final_state=True)
+        y[:, index] = y_piece
+        current = [f.index_copy(0, at, n.to(f.dtype)) for f, n in zip(current, new)]
+        for k, n in enumerate(rows):
+            if r < len(cuts[n]):  # the piece ends on an inner boundary: its snapshot
+                for f, piece_state in zip(pool, new):
+                    f[cuts[n][r][1]] = piece_state[k]
+    return y, LayerState(*current)
 
 
 def pool_decode(module, x, pool, slots, num_valid, placement):
@@ -129,9 +163,10 @@ def _unshard(config, states, placement):
     return unshard_layer_state(states, config)
 
 
-def linattn_pool_path(config, prefill=pool_prefill, decode=pool_decode) -> StatePoolPath:
+def linattn_pool_path(config, prefill=pool_prefill, decode=pool_decode, inner_snapshots=False) -> StatePoolPath:
     """linattn's layer for `config` through the slot-pool client, its state sharded over TP as
-    its weights are."""
+    its weights are; `inner_snapshots`: snapshots at the block boundaries inside a chunk too
+    (StatePoolPath.inner_snapshots; the client's prefill cuts its chunks there)."""
     return StatePoolPath(linattn_layer(config), prefill=prefill, decode=decode,
                          shard_state=functools.partial(_shard, config),
-                         unshard_state=functools.partial(_unshard, config))
+                         unshard_state=functools.partial(_unshard, config), inner_snapshots=inner_snapshots)
