@@ -38,11 +38,14 @@ pytest:
     state_handoff_rank   ... and what each rank runs
     batch_invariance     N identical requests in one batch: bitwise identical rows and states, equal
                          to the request alone and to the float64 reference (`assert_batch_invariance`)
+    fresh_init           a layer's fresh initialisation in the dtypes users init in: every parameter
+                         finite, no dead head (`assert_fresh_init_is_finite`)
 """
 
 from .batch_invariance import assert_batch_invariance
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
 from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
+from .fresh_init import assert_fresh_init_is_finite
 from .isolation import PackedDocuments, assert_document_isolation
 from .long_decode import assert_long_decode_parity, long_decode_errors
 from .padded import PaddedStatePath, assert_padded_continuation_parity
@@ -58,6 +61,6 @@ __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer",
            "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
            "long_decode_errors", "PackedDocuments", "assert_document_isolation", "StateHandoffPath",
            "assert_state_handoff_parity",
-           "assert_batch_invariance",
+           "assert_batch_invariance", "assert_fresh_init_is_finite",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

@@ -43,6 +43,8 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    gives them; one token of each document perturbed, the others bitwise unchanged
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
+    fresh-init     assert_fresh_init_is_finite: the layer class built 64 times (seeds) in float32 and bf16 at
+                   the GPU suites' sizes (32 value heads), every parameter finite
     kernel         fla's kernel against the float64 reference in the entry's kernel test (a bug the
                    layers cannot reach); run by that test, never by `run`
 
@@ -63,12 +65,13 @@ from pathlib import Path
 import torch
 
 from cases.layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
-from linattn.layers import build_layer
+from linattn.layers import GatedDeltaNet, build_layer
 from clients.padded import linattn_padded_path
 from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, TrainingStep, assert_continuation_parity,
                                     assert_padded_continuation_parity, assert_sharded_parity,
                                     assert_spec_decode_parity, assert_state_handoff_parity, assert_state_pool_parity,
                                     assert_training_parity)
+from pytest_linattn.harness.fresh_init import assert_fresh_init_is_finite
 from pytest_linattn.harness.long_decode import assert_long_decode_parity
 from pytest_linattn.parity import assert_parity
 from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
@@ -137,6 +140,7 @@ CHECKS = {
     "padded": "padded batches (`assert_padded_continuation_parity`, TP 2, left padded, pads straddling calls)",
     "training-tp": "training step (`assert_training_parity`, TP 2)",
     "training-cp": "training step (`assert_training_parity`, CP 2)",
+    "fresh-init": "fresh initialisation (`assert_fresh_init_is_finite`, float32 and bf16, 64 seeds)",
     "kernel": "fla's kernel against the float64 reference (`linattn.reference`), in its kernel test",
 }
 
@@ -252,6 +256,19 @@ def state_handoff(spawn, path=None, source=Placement(), targets=(Placement(tp=2)
     assert_state_handoff_parity(spawn, path or linattn_handoff_path(REPLICATED_CONFIG), replicated_heads_reference(),
                                 source, list(targets), STATE_CU, decode_steps=HANDOFF_STEPS,
                                 hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
+
+
+INIT_SEEDS = range(64)
+
+
+def fresh_init(cls=None):
+    """Every parameter of the layer class's fresh init finite, at a GPU-sized head count (32 value
+    heads: a 1-in-256 draw per head shows within the seeds)."""
+    from cases.layer_parity import gpu_config
+
+    config = dataclasses.replace(gpu_config("qwen3_5"), num_v_heads=32)
+    assert_fresh_init_is_finite(lambda dtype: (cls or GatedDeltaNet)(config, dtype=dtype), seeds=INIT_SEEDS,
+                                name="record")
 
 
 def long_decode(spawn, path=None):
@@ -376,6 +393,8 @@ def run(spawn, check, subject=None):
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":
         return training(spawn, subject, Placement(cp=2))
+    if check == "fresh-init":
+        return fresh_init(subject)
     if check == "kernel":
         raise ValueError("the kernel check runs in the entry's kernel test (registry.Bug.kernel_test), not here")
     raise ValueError(f"unknown check {check!r}; the checks: {sorted(CHECKS)}")

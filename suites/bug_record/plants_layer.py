@@ -304,3 +304,15 @@ def balance_bias_layer(config):
     """NVIDIA-NeMo/Automodel #3247's class: state the forward mutates, which the replay reads."""
     return dataclasses.replace(linattn_layer(config), build=functools.partial(build_with_balance_bias, config),
                                forward=forward_updating_balance_bias)
+
+
+class DecayRateDrawnFromZero(GatedDeltaNet):
+    """transformers #47842 (issue #47831): Qwen3-Next / Qwen3.5's GDN init draws A = uniform_(0, 16)
+    in the parameter's dtype and stores log(A); in bf16 the draws are multiples of 1/16, so about
+    1 in 256 is exactly 0 and its A_log -inf: a head that never decays and gets no gradient."""
+
+    def _initial_value(self, name, tensor):
+        if name == "A_log":
+            with torch.no_grad():
+                return tensor.uniform_(0.0, 16.0).log_()
+        return super()._initial_value(name, tensor)

@@ -289,6 +289,15 @@ BUGS = (
         repro="suites/live_bugs/fla_955_causal_conv1d_varlen_batch.py",
         fidelity="faithful", fidelity_note=("fla's own kernel, the pinned release (under Triton's interpreter, and "
             "on a GPU): no plant, a live bug")),
+    Bug("transformers-47842", "N30", (gh("huggingface/transformers", 47842, "pull"), gh("huggingface/transformers", 47831)),
+        "GDN's A initialised with uniform_(0, 16) in bf16 rounds some draws to exactly 0; log(0) = -inf gives heads "
+        "with no decay and no gradient", "other (init precision)", "No", "fresh-init", _cls(L.DecayRateDrawnFromZero),
+        "everywhere",
+        # only bf16 draws land on 0: float32's never do at these seeds
+        located=r"fresh initialisation for record: \d+ of \d+ parameter\(s\) built not finite[^\n]*\n"
+                r"  torch\.bfloat16, seed \d+: A_log head \d+ is -inf",
+        fidelity="faithful", fidelity_note=("planted in linattn's layer init (its own draws A from [1, 16], never "
+            "0: the clean run passes)")),
     Bug("flashqla-28-padded-tail", "N31", (gh("QwenLM/FlashQLA", 28),),
         "fla's varlen chunk kernels leave the outputs and gradients after cu_seqlens[-1] unwritten: a packed batch "
         "padded past its last boundary gets garbage in the padding tail", "padded THD", "No", "kernel", None, "kernel",
