@@ -2,8 +2,9 @@
 and padded batches): which placements the modes take, CP fillers, the state pool's call schedule
 (admission around reserved slots, padded decode calls and where their padding rows point, prefix
 snapshots at chunk ends or inside chunks too, prefix hits), the fill of the slots no sequence
-holds, the paths' `state_dtypes` rule and how a report names a call and a rank. pytest_linattn.harness.state_pool's docstring says what the
-schedule does. This module imports no pytest."""
+holds, the paths' `state_dtypes` rule and how a report names a call and a rank.
+pytest_linattn.harness.state_pool's docstring says what the schedule does. This module imports no
+pytest."""
 from __future__ import annotations
 
 import dataclasses

@@ -96,10 +96,11 @@ class StatePoolPath:
         `[N, B]` int64 (B the call's most, possibly 0; rows padded with -1): for each block
         boundary strictly inside the sequence's chunk, in token order, the slot where the state
         there is to be written and its offset in the chunk (the chunk's tokens before it: the state
-        after x[cu_seqlens[n] : cu_seqlens[n] + offset] of the chunk). Under CP: x is this CP rank's contiguous piece of the call's T / cp tokens and y its
-        outputs; cu_seqlens, slots, fresh (and the keywords) are the whole call's, a filler's last
-        where the call holds one (fresh, in a scratch slot, -1 in the keywords), and every CP rank
-        writes every sequence's state (linattn's layer returns the final states whole on every CP rank).
+        after x[cu_seqlens[n] : cu_seqlens[n] + offset]). Under CP (no inner snapshots): x is this
+        CP rank's contiguous piece of the call's T / cp tokens and y its outputs; cu_seqlens,
+        slots, fresh (and the keywords) are the whole call's, a filler's last where the call holds
+        one (fresh, in a scratch slot, -1 in the keywords), and every CP rank writes every
+        sequence's state (linattn's layer returns the final states whole on every CP rank).
     decode(module, x, pool, slots, num_valid, placement) -> y
         One token of each row, x `[1, B, hidden]`, slots `[B]`: the first `num_valid` rows are
         sequences, the rest padding (slots: `padding_slot`'s). Returns y `[1, B, hidden]`
@@ -474,7 +475,7 @@ def _held(actual, f, initial, seq, t, start, end, rtol, state_at) -> str:
     boundary it does not represent); '' otherwise."""
     if _error(actual, initial) <= rtol:
         return "; it holds the slot's contents from before (never written)"
-    for u in [end] + [u for u in range(max(start, 1), end) if u != t]:
+    for u in [end] + list(range(max(start, 1), end)):  # the chunk's end first, then its other tokens
         if u != t and _error(actual, state_at(seq, u)[f]) <= rtol:
             return f"; it holds the state at token {u}" + (" (its chunk's end)" if u == end else "")
     return ""

@@ -48,7 +48,7 @@ class PoolCall:
     prefix_slots: tuple | None = None  # prefix mode: per sequence the snapshot it starts from, -1: none
     blocks: dict | None = None  # prefix mode: the snapshots taken before the call, slot -> (sequence, token)
     filler: tuple | None = None  # under CP: (input [1, pad, hidden], scratch slot) of a filler sequence
-    inner_snapshot_slots: tuple | None = None  # inner snapshots: per sequence the slots of its inner boundaries, -1 padded
+    inner_snapshot_slots: tuple | None = None  # inner snapshots: per sequence its inner boundaries' slots, -1 padded
     inner_snapshot_offsets: tuple | None = None  # inner snapshots: per sequence their offsets in the chunk, -1 padded
 
 
