@@ -19,6 +19,8 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     continuation-fp32  the same with the ranks' layer in float32 (<= 1e-5)
     state-pool     assert_state_pool_parity at TP 2: the slot-pool client (suites/clients/state_pool.py),
                    2 sequences live at once (slots freed and reused), decode padded to 4 rows
+    state-pool-inner  assert_state_pool_parity at TP 2 in prefix mode with inner snapshots: blocks of 4,
+                   chunks of 10 and 6 tokens crossing block boundaries, 2 prefix hits on inner snapshots
     state-pool-captured  assert_state_pool_parity at TP 2 with captured decode steps (the pool client's
                    CUDA-graph runner, suites/clients/state_pool.py): decode padded to 1 or 2 rows, each size
                    captured once and replayed, static buffers of 4 rows
@@ -99,6 +101,14 @@ PREFIX_PLANS = (SequencePlan((4, 4, 2), 2), SequencePlan((2,), 1), SequencePlan(
 PREFIX_HITS = {1: (0, 8), 2: (0, 4)}
 PREFIX_BLOCK = 4
 # verify rounds of 3 drafts: every round mixes 0 < j < 3 with j = 3 (where keeping every draft is right)
+# inner snapshots: sequence 0's 10-token chunk crosses 4 and 8 and ends off a boundary, its 6-token
+# chunk (shorter than plants_state.CADENCE) crosses 12 and ends on 16; sequence 1 hits the snapshot
+# at 8, sequence 2 the one at 12
+INNER_SEQLENS = (18, 12, 16)
+INNER_CU = torch.tensor([0, *INNER_SEQLENS]).cumsum(0).to(torch.int32)
+INNER_PLANS = (SequencePlan((10, 6), 2), SequencePlan((3,), 1), SequencePlan((2,), 2))
+INNER_HITS = {1: (0, 8), 2: (0, 12)}
+INNER_BLOCK = 4
 SPEC_PLANS = (SpecPlan((1, 5), (2, 3)), SpecPlan((4,), (3, 1)), SpecPlan((6,), (0, 2)), SpecPlan((3,), (1, 0)))
 SPEC_DRAFTS = 3
 # mixed verify calls, K = 2 and a bonus token: round 1 sequence 2 drafted nothing, round 2 sequence
@@ -126,6 +136,8 @@ CHECKS = {
     "continuation": "continuation (`assert_continuation_parity`, TP 2, float64)",
     "continuation-fp32": "continuation (`assert_continuation_parity`, TP 2, float32 at 1e-5)",
     "state-pool": "state pool (`assert_state_pool_parity`, TP 2, slots reused, decode padded to 4 rows)",
+    "state-pool-inner": "state pool, inner snapshots (`assert_state_pool_parity`, TP 2, blocks of 4, "
+                        "`inner_snapshots`: chunks of 10 and 6, 2 prefix hits on inner snapshots)",
     "state-pool-captured": "state pool, captured steps (`assert_state_pool_parity`, TP 2, `capture`: each padded "
                            "batch size captured once and replayed)",
     "state-pool-prefix": "state pool, prefix mode (`assert_state_pool_parity`, TP 2, blocks of 4, 2 prefix hits)",
@@ -215,6 +227,13 @@ def state_pool(spawn, path=None):
     assert_state_pool_parity(spawn, path or linattn_pool_path(CONFIG), reference(), [Placement(tp=2)], STATE_CU,
                              plans=POOL_PLANS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, max_live=2,
                              capture_sizes=POOL_CAPTURE_SIZES, name="record")
+
+
+def state_pool_inner(spawn, path=None):
+    assert_state_pool_parity(spawn, path or linattn_pool_path(CONFIG, inner_snapshots=True), reference(),
+                             [Placement(tp=2)], INNER_CU, plans=INNER_PLANS, hidden_size=CONFIG.hidden_size, seed=SEED,
+                             rtol=RTOL, max_live=2, capture_sizes=POOL_CAPTURE_SIZES, block_size=INNER_BLOCK,
+                             prefix_hits=INNER_HITS, name="record")
 
 
 CAPTURED_SIZES = (1, 2)  # below the runner's 4-row static buffers (clients.state_pool.MAX_CAPTURED_ROWS)
@@ -367,6 +386,8 @@ def run(spawn, check, subject=None):
         return continuation(spawn, subject, dtype=torch.float32, rtol=FLOAT32_RTOL)
     if check == "state-pool":
         return state_pool(spawn, subject)
+    if check == "state-pool-inner":
+        return state_pool_inner(spawn, subject)
     if check == "state-pool-captured":
         return state_pool_captured(spawn, subject)
     if check == "state-pool-prefix":

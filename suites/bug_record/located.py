@@ -10,11 +10,15 @@ from __future__ import annotations
 import re
 import types
 
+import torch
+
 from bug_record import checks
 from bug_record import plants_handoff as H
+from bug_record import plants_state as S
 from bug_record.checks import CONFIG, REPLICATED_CONFIG
 from linattn.layers import LayerState
 from pytest_linattn.harness.continuation_plans import describe_token, plan_cuts
+from pytest_linattn.harness.serving_plans import pool_schedule, snapshots_of
 
 
 FIRST_BACKWARD = (r"first call whose backward is wrong [^:]*: sequence \d+ \(chunks [\d+]+(, then \d decode steps)?\), "
@@ -275,3 +279,42 @@ def loss_without_token_count(packings=checks.TRAINING_PACKINGS):
             + re.escape(f"; off: micro-batches {list(range(1, M + 1))}; right: none") + r"[\s\S]*?"
             + re.escape(f"{label} grad norm: the reference's is ") + r"\S+ \(rtol 1e-10\); "
             + re.escape("off on 2 of 2 rank(s):") + r"\n\s+" + re.escape("TP rank 0, CP rank 0: ") + r"\S+ " + error)
+
+
+# ---- inner snapshots (the state-pool-inner check) ---------------------------------------------------
+
+INNER_CALL = (r"call \d+ \(prefill of sequences \[[\d, ]+\] in slots \[[\d, ]+\](, snapshots to slots \[[-\d, ]+\])?"
+              r"(, inner snapshots to slots \[[\[\]\-\d, ]+\])?(, from prefix slots \[[-\d, ]+\])?\)")
+
+
+def inner_snapshot_slot(n, t, plans=checks.INNER_PLANS, hits=checks.INNER_HITS, block=checks.INNER_BLOCK,
+                        cu=checks.INNER_CU, max_live=2):
+    """The slot of sequence n's snapshot at token t in the spare pool (max_live + 1 slots: the
+    report's first pool), from the check's own schedule."""
+    bounds = [int(b) for b in cu]
+    calls = pool_schedule(plans, bounds, max_live, max_live + 1, CONFIG.hidden_size, torch.Generator(),
+                          checks.POOL_CAPTURE_SIZES, block, hits, inner_snapshots=True)
+    return next(s for c in calls if c.kind == "prefill" for seq, s, u in snapshots_of(c, bounds) if (seq, u) == (n, t))
+
+
+def inner_snapshot_wrong(n, t, holds, plans=checks.INNER_PLANS, hits=checks.INNER_HITS):
+    """The snapshot line of sequence n's inner snapshot at token t (what its slot holds), then the
+    first wrong token: the first prefix hit from that snapshot, at its first computed token."""
+    h = min(h for h, source in hits.items() if source == (n, t))
+    return (INNER_CALL + re.escape(f": the snapshot of sequence {n} ({plans[n]}) at token {t}, inside its ")
+            + r"\d+-token chunk from token \d+, "
+            + re.escape(f"in slot {inner_snapshot_slot(n, t)} is not the state there: field ") + r"\w+ error \S+"
+            + re.escape(f"; it holds {holds}") + r"[\s\S]*?"
+            + re.escape(f"first wrong token: sequence {h} ({plans[h]}) token {t}, call ") + r"\d+ ")
+
+
+def inner_snapshot_stale(plans=checks.INNER_PLANS, hits=checks.INNER_HITS, block=checks.INNER_BLOCK):
+    """sglang #30938's plant: the first inner snapshot a short chunk leaves unwritten."""
+    n, t = S.stale_inner_snapshots(plans, hits, block)[0]
+    return inner_snapshot_wrong(n, t, "the slot's contents from before (never written)", plans, hits)
+
+
+def inner_snapshot_misplaced(plans=checks.INNER_PLANS, hits=checks.INNER_HITS, block=checks.INNER_BLOCK):
+    """vLLM #51113's plant: the first inner snapshot holding its chunk's end state."""
+    n, t, end = S.misplaced_inner_snapshots(plans, hits, block)[0]
+    return inner_snapshot_wrong(n, t, f"the state at token {end} (its chunk's end)", plans, hits)

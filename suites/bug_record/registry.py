@@ -364,6 +364,24 @@ BUGS = (
         _pool(prefill=S.prefill_hit_from_an_empty_state), "stateful", located=where.hit_from_an_empty_state(),
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not vLLM's "
             "KV-cache coordinator: the hit's state is never restored")),
+    Bug("vllm-51113", "N11", (gh("vllm-project/vllm", 51113, "pull"),),
+        "align-mode prefill chunks were not kept block-aligned past last_cache_position, so a state is published "
+        "under a block boundary it does not represent (wrong tokens with HTTP 200)", "state pool (prefix cache)",
+        "No", "state-pool-inner",
+        _pool(prefill=S.prefill_publishing_the_chunk_end_under_its_last_boundary, inner_snapshots=True), "stateful",
+        located=where.inner_snapshot_misplaced(),
+        fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not vLLM's "
+            "scheduler: a chunk that does not end on a boundary writes its chunk-end state into its last inner "
+            "snapshot; the boundaries before it stay right")),
+    Bug("sglang-30938", "N14", (gh("sgl-project/sglang", 30938, "pull"), gh("vllm-project/vllm", 41060, "pull")),
+        "snapshot cadence against chunk size: sglang skips the track write when a chunk is shorter than "
+        "mamba_cache_chunk_size (a warning only); vLLM's RWKV-7 scatter returns when mamba_block_size < the chunk "
+        "size, leaving stale blocks for later hits", "state pool (prefix cache)", "No", "state-pool-inner",
+        _pool(prefill=S.prefill_skipping_inner_snapshots_of_short_chunks, inner_snapshots=True), "stateful",
+        located=where.inner_snapshot_stale(),
+        fidelity="faithful", fidelity_note=("sglang's mechanism in the project's client (suites/clients/"
+            "state_pool.py): the inner snapshots of a chunk shorter than the cadence (8 tokens) left unwritten; "
+            "vLLM #41060's RWKV-7 scatter is the same observable, not planted apart")),
     Bug("sglang-32555", "N12", (gh("sgl-project/sglang", 32555, "pull"),),
         "decode track-save under CUDA graphs: the replay refills the static track-destination buffer at the front "
         "([:bs]) but the backend slices [-num_decodes:], so the captured kernel writes through the never-refreshed "
