@@ -20,6 +20,7 @@ pytest:
     state_pool           the same calls against a pool of state slots, padded decode batches,
                          freed and reused slots (`StatePoolPath`, `assert_state_pool_parity`)
     state_pool_rank      ... and what each rank runs
+    state_pool_report    ... its comparisons and reports
     spec_decode          verify calls of K drafts accepting j of them, against the serial run
                          (`SpecDecodePath`, `SpecPlan`, `assert_spec_decode_parity`)
     spec_decode_rank     ... and what each rank runs
