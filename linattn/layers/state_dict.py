@@ -36,6 +36,9 @@ Layouts (HF order; H key heads, HV value heads, r = HV / H, dk / dv head dims):
 Checkpoints that store A_log as [1, 1, HV, 1] or [HV, 1] (Kimi Linear) or dt_bias as [HV, dk]
 are reshaped to the flat layout on load (same elements, same order).
 
+A sectioned tensor's layout names its blocks (`ParameterLayout.names`: q, k, v and z of the fused
+projections and the conv; b and a), so a report can say which section a row lies in.
+
 The same functions shard and unshard gradient dicts (same keys and shapes as the parameters).
 """
 
@@ -69,6 +72,7 @@ class ParameterLayout:
     blocks: tuple[int, ...] = ()  # row_blocks: block sizes along dim 0; grouped rows: the parts of one group
     key_blocks: tuple[bool, ...] = ()  # per block (or the whole tensor): rows of key heads
     groups: int = 1  # rows grouped per key head (qwen3_next's fused projections)
+    names: tuple[str, ...] = ()  # per block: the section's name (q, k, v, z; b, a)
 
 
 def parameter_layouts(config: LinearAttentionConfig) -> dict[str, ParameterLayout]:
@@ -76,24 +80,24 @@ def parameter_layouts(config: LinearAttentionConfig) -> dict[str, ParameterLayou
     c = config
     hidden, kd, vd, hv, W = c.hidden_size, c.key_dim, c.value_dim, c.num_v_heads, c.conv_size
     H, r, dk, dv = c.num_k_heads, c.v_heads_per_k_head, c.head_k_dim, c.head_v_dim
-    qkv_blocks, qkv_keys = (kd, kd, vd), (True, True, False)
+    qkv_blocks, qkv_keys, qkv = (kd, kd, vd), (True, True, False), ("q", "k", "v")
     L = ParameterLayout
     if c.family == "qwen3_next":
         layouts = {
             "in_proj_qkvz.weight": L((2 * kd + 2 * vd, hidden), "rows", (dk, dk, r * dv, r * dv),
-                                     (True, True, False, False), H),
-            "in_proj_ba.weight": L((2 * hv, hidden), "rows", (r, r), (False, False), H),
+                                     (True, True, False, False), H, ("q", "k", "v", "z")),
+            "in_proj_ba.weight": L((2 * hv, hidden), "rows", (r, r), (False, False), H, ("b", "a")),
         }
     elif c.family == "qwen3_5":
         layouts = {
-            "in_proj_qkv.weight": L((c.conv_dim, hidden), "row_blocks", qkv_blocks, qkv_keys),
+            "in_proj_qkv.weight": L((c.conv_dim, hidden), "row_blocks", qkv_blocks, qkv_keys, names=qkv),
             "in_proj_z.weight": L((vd, hidden), "rows"),
             "in_proj_b.weight": L((hv, hidden), "rows"),
             "in_proj_a.weight": L((hv, hidden), "rows"),
         }
     if c.family in ("qwen3_next", "qwen3_5"):
         layouts.update({
-            "conv1d.weight": L((c.conv_dim, 1, W), "row_blocks", qkv_blocks, qkv_keys),
+            "conv1d.weight": L((c.conv_dim, 1, W), "row_blocks", qkv_blocks, qkv_keys, names=qkv),
             "dt_bias": L((hv,), "rows"),
             "A_log": L((hv,), "rows"),
             "norm.weight": L((c.head_v_dim,), "replicated"),

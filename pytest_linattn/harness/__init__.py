@@ -41,10 +41,16 @@ pytest:
                          to the request alone and to the float64 reference (`assert_batch_invariance`)
     fresh_init           a layer's fresh initialisation in the dtypes users init in: every parameter
                          finite, no dead head (`assert_fresh_init_is_finite`)
+    checkpoint           checkpoints across TP sizes: saved at one TP size, merged, checked section by
+                         section against the reference, loaded at another, run forward and backward there
+                         (`CheckpointIO`, `assert_checkpoint_round_trip`)
+    checkpoint_report    ... its per-section comparisons and words
+    checkpoint_rank      ... and what each rank runs
 """
 
 from .batch_invariance import assert_batch_invariance
 from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
+from .checkpoint import CheckpointIO, assert_checkpoint_round_trip
 from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
 from .fresh_init import assert_fresh_init_is_finite
 from .isolation import PackedDocuments, assert_document_isolation
@@ -62,6 +68,7 @@ __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer",
            "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
            "long_decode_errors", "PackedDocuments", "assert_document_isolation", "StateHandoffPath",
            "assert_state_handoff_parity",
+           "CheckpointIO", "assert_checkpoint_round_trip",
            "assert_batch_invariance", "assert_fresh_init_is_finite",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

@@ -45,6 +45,10 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    gives them; one token of each document perturbed, the others bitwise unchanged
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
+    checkpoint     assert_checkpoint_round_trip: saved at TP 2, loaded at TP 1, and saved at TP 1, loaded at
+                   TP 2 (suites/clients/checkpoint.py: linattn's shard / unshard as an exporter and a loader)
+    checkpoint-fp8 the same through an FP8-style client (suites/clients/quantized_checkpoint.py: a scale
+                   per section of a fused weight, per head along the sharded dim), its weights at its bound
     fresh-init     assert_fresh_init_is_finite: the layer class built 64 times (seeds) in float32 and bf16 at
                    the GPU suites' sizes (32 value heads), every parameter finite
     kernel         fla's kernel against the float64 reference in the entry's kernel test (a bug the
@@ -73,6 +77,7 @@ from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, TrainingS
                                     assert_padded_continuation_parity, assert_sharded_parity,
                                     assert_spec_decode_parity, assert_state_handoff_parity, assert_state_pool_parity,
                                     assert_training_parity)
+from pytest_linattn.harness.checkpoint import assert_checkpoint_round_trip
 from pytest_linattn.harness.fresh_init import assert_fresh_init_is_finite
 from pytest_linattn.harness.long_decode import assert_long_decode_parity
 from pytest_linattn.parity import assert_parity
@@ -152,6 +157,8 @@ CHECKS = {
     "padded": "padded batches (`assert_padded_continuation_parity`, TP 2, left padded, pads straddling calls)",
     "training-tp": "training step (`assert_training_parity`, TP 2)",
     "training-cp": "training step (`assert_training_parity`, CP 2)",
+    "checkpoint": "checkpoint round trip (`assert_checkpoint_round_trip`, saved at TP 2 loaded at TP 1, and 1 to 2)",
+    "checkpoint-fp8": "checkpoint round trip, FP8-style scales (`assert_checkpoint_round_trip`, TP 2 to 1 and 1 to 2)",
     "fresh-init": "fresh initialisation (`assert_fresh_init_is_finite`, float32 and bf16, 64 seeds)",
     "kernel": "fla's kernel against the float64 reference (`linattn.reference`), in its kernel test",
 }
@@ -275,6 +282,16 @@ def state_handoff(spawn, path=None, source=Placement(), targets=(Placement(tp=2)
     assert_state_handoff_parity(spawn, path or linattn_handoff_path(REPLICATED_CONFIG), replicated_heads_reference(),
                                 source, list(targets), STATE_CU, decode_steps=HANDOFF_STEPS,
                                 hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
+
+
+def checkpoint(spawn, io=None, quantized=False):
+    from clients.checkpoint import linattn_checkpoint_io
+    from clients.quantized_checkpoint import QUANTIZED_RTOL, quantized_checkpoint_io
+
+    default = quantized_checkpoint_io(CONFIG) if quantized else linattn_checkpoint_io(CONFIG)
+    assert_checkpoint_round_trip(spawn, linattn_layer(CONFIG), reference(), CU, io=io or default,
+                                 sizes=((2, 1), (1, 2)), hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
+                                 weight_rtol=QUANTIZED_RTOL if quantized else None, name="record")
 
 
 INIT_SEEDS = range(64)
@@ -414,6 +431,8 @@ def run(spawn, check, subject=None):
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":
         return training(spawn, subject, Placement(cp=2))
+    if check in ("checkpoint", "checkpoint-fp8"):
+        return checkpoint(spawn, subject, quantized=check == "checkpoint-fp8")
     if check == "fresh-init":
         return fresh_init(subject)
     if check == "kernel":

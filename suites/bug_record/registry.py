@@ -45,13 +45,16 @@ import re
 from collections.abc import Callable
 
 from bug_record import located as where
+from bug_record import plants_checkpoint as C
 from bug_record import plants_handoff as H
 from bug_record import plants_layer as L
 from bug_record import plants_state as S
 from bug_record import checks
 from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
+from clients.checkpoint import linattn_checkpoint_io
 from clients.isolation import IgnoresPositionIds
 from clients.per_token_loss import per_token_loss_step
+from clients.quantized_checkpoint import quantized_checkpoint_io
 from linattn.layers import LayerState
 from pytest_linattn.harness import Placement, TrainingStep
 from clients.padded import linattn_padded_path
@@ -289,6 +292,25 @@ BUGS = (
         repro="suites/live_bugs/fla_955_causal_conv1d_varlen_batch.py",
         fidelity="faithful", fidelity_note=("fla's own kernel, the pinned release (under Triton's interpreter, and "
             "on a GPU): no plant, a live bug")),
+    Bug("vllm-38517", "N22", (gh("vllm-project/vllm", 38517, "pull"), gh("vllm-project/vllm", 38197)),
+        "MergedColumnParallelLinear.weight_loader_v2 with a tuple shard_id hard-coded shard_id=0 for "
+        "PerTensorScaleParameter: only the first of a fused weight's per-section scale slots is filled, every "
+        "section after it dequantized with the initial value (FP8 static checkpoints of Qwen3.5's in_proj_qkvz)",
+        "TP (quant scales)", "No", "checkpoint-fp8",
+        lambda: quantized_checkpoint_io(CONFIG, fill_slots=C.fill_first_scale_slot_only), "sharded",
+        located=C.all_lines(C.unfilled_scale_lines(CONFIG, 1, 0)),
+        fidelity="moved", fidelity_note=("vLLM's loader of Qwen3.5's fused in_proj_qkvz with compressed-tensors FP8 "
+            "static scales; planted in the project's FP8-style client's fill of in_proj_qkv's 3 scale slots "
+            "(suites/clients/quantized_checkpoint.py)")),
+    Bug("modelopt-931", "N23", (gh("NVIDIA/Model-Optimizer", 931, "pull"),),
+        "an export at TP > 1 maps the mixer's SSM parameters (norm, A_log, D, dt_bias, conv1d) as REPLICATE "
+        "instead of column-TP, so the exporter keeps TP rank 0's shard as the whole parameter",
+        "TP (export)", "No", "checkpoint",
+        lambda: linattn_checkpoint_io(CONFIG, merge=C.merge_mapping_ssm_parameters_as_replicated), "sharded",
+        located=C.all_lines(C.exported_as_replicated_lines(CONFIG, 2)),
+        fidelity="moved", fidelity_note=("Nemotron-H's Mamba mixer mapping in ModelOpt's Megatron exporter; planted "
+            "in the project's checkpoint exporter (suites/clients/checkpoint.py) on GDN's A_log, dt_bias and "
+            "conv1d (GDN has no D; its norm is rightly replicated)")),
     Bug("transformers-47842", "N30", (gh("huggingface/transformers", 47842, "pull"), gh("huggingface/transformers", 47831)),
         "GDN's A initialised with uniform_(0, 16) in bf16 rounds some draws to exactly 0; log(0) = -inf gives heads "
         "with no decay and no gradient", "other (init precision)", "No", "fresh-init", _cls(L.DecayRateDrawnFromZero),
