@@ -11,6 +11,8 @@ reference (linattn.reference.gated_delta_rule):
   input without an error. Repro: suites/live_bugs/fla_varlen_padded_tail_unwritten.py.
 """
 
+import time
+
 import pytest
 import torch
 
@@ -70,12 +72,16 @@ def test_tokens_before_the_tail_are_right():
 @pytest.mark.xfail(strict=True, raises=TailUnwritten, reason=(
     "QwenLM/FlashQLA #28 (part 1), live in fla 0.6.0: chunk_gated_delta_rule with T > cu_seqlens[-1] leaves "
     "the padding tail's outputs and input gradients unwritten"))
-def test_padded_tail_outputs_and_gradients_are_zeros():
+def test_padded_tail_outputs_and_gradients_are_zeros(record_property):
     values, do = inputs()
+    start = time.perf_counter()
     got = fla_run(values, do)
     tail = {n: t[:, CU[-1]:] for n, t in got.items()}
     unwritten = [n for n, t in tail.items() if not torch.equal(t, torch.zeros_like(t))]
     if unwritten:
-        raise TailUnwritten(f"tokens {CU[-1]}..{T - 1} (after cu_seqlens[-1] = {CU[-1]}, T = {T}): not zeros in "
-                            f"{', '.join(unwritten)}; NaN (unwritten) in "
-                            f"{', '.join(n for n, t in tail.items() if torch.isnan(t).any()) or 'none'}")
+        located = (f"tokens {CU[-1]}..{T - 1} (after cu_seqlens[-1] = {CU[-1]}, T = {T}): not zeros in "
+                   f"{', '.join(unwritten)}; NaN (unwritten) in "
+                   f"{', '.join(n for n, t in tail.items() if torch.isnan(t).any()) or 'none'}")
+        record_property("seconds", f"{time.perf_counter() - start:.2f}")
+        record_property("located", located)
+        raise TailUnwritten(located)
