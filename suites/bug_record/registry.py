@@ -61,7 +61,7 @@ from clients.padded import linattn_padded_path
 from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
 from clients.state_pool import linattn_pool_path
 
-__all__ = ["BUGS", "Bug", "FIDELITIES", "Report", "by_key"]
+__all__ = ["BUGS", "Bug", "FIDELITIES", "NOT_YET", "NotYet", "Report", "by_key"]
 
 FIDELITIES = ("faithful", "moved", "partial", "project finding")
 
@@ -566,6 +566,66 @@ BUGS = (
         located=where.replay_on_moved_state(),
         fidelity="moved", fidelity_note=("a MoE router's balancing bias, mutated in forward, becomes an input bias "
             "buffer of the GDN layer")),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class NotYet:
+    """A report of the record's second half not planted yet: what it needs."""
+
+    row: str
+    reports: tuple[Report, ...]
+    mechanism: str
+    needs: str
+
+
+# the record's second half (2026-12 search) not planted yet, each with the check or the machine it needs
+NOT_YET = (
+    NotYet("N4", (gh("PrismML-Eng/llama.cpp", 174),), "the draft context's sequence removal silently failed and "
+           "kept stale draft positions", "a draft model's own state checked: the spec-decode check sees the target's"),
+    NotYet("N6", (gh("vllm-project/vllm", 55504, "pull"),), "ROCm AITER's non-spec decode ignored the accepted-token "
+           "offset after a spec step", "nothing more: the same observable as vllm-56531, whose entry lists it"),
+    NotYet("N7", (gh("vllm-project/vllm", 53505),), "align-mode + spec decode: acceptance landing on a block "
+           "boundary copies the pre-move state back over the migrated one", "speculative decoding with prefix-cache "
+           "block migration in one check"),
+    NotYet("N8", (gh("vllm-project/vllm", 53912), gh("vllm-project/vllm", 43559)), "MTP + prefix caching: the "
+           "Mamba groups kept the partially accepted final block the attention groups dropped", "per-layer-group "
+           "hit lengths in the prefix mode"),
+    NotYet("N10", (gh("vllm-project/vllm", 55601, "pull"),), "the running slot seeded with the drafter's block size "
+           "instead of the Mamba block size", "a client that maps token counts to blocks itself (the prefix mode "
+           "hands the slots)"),
+    NotYet("N13", (gh("sgl-project/sglang", 30986, "pull"),), "a load-back published its slot before knowing it "
+           "proceeds; on abort the request decodes from another's state", "abort and rejected-admission paths in "
+           "the pool schedule"),
+    NotYet("N16", (gh("sgl-project/sglang", 23075),), "mixed chunked prefill: decode rows pollute the prefill's "
+           "snapshot metadata", "prefill and decode rows in one call of the pool check"),
+    NotYet("N17", (gh("LMCache/LMCache", 2863),), "an external KV connector reports attention hits for state it "
+           "never restored", "a connector client: the observable is vllm-43090's"),
+    NotYet("N18", (gh("ggml-org/llama.cpp", 20700),), "a recurrent-state copy sized in elements where bytes were "
+           "meant: a partial copy", "a located line apart from sglang-31474's in the prefix mode"),
+    NotYet("N19", (gh("wtdcode/vllm-backport", 63, "pull"),), "PP + MTP + prefix caching: a stale batch-to-row map "
+           "on a non-last stage copies state through other requests' blocks", "pipeline parallel in the harness"),
+    NotYet("N20", (gh("sgl-project/sglang", 36722, "pull"),), "a proposed change of the decode kernels' value-to-key "
+           "head index from i // (HV/H) to i % H", "named head-pairing conventions in the layers and the harness"),
+    NotYet("N21", (gh("ggml-org/llama.cpp", 21732, "pull"),), "a TP split that assumed Qwen3-Next and Qwen3.5 "
+           "broadcast K across V heads the same way", "named head-pairing conventions in the layers and the harness"),
+    NotYet("N24", (gh("NVIDIA/Megatron-LM", 3282, "pull"),), "a framework's per-sequence CP chunks against fla's "
+           "flattened-stream CP context", "a CP client with its own packing convention against fla's context"),
+    NotYet("N25", (gh("state-spaces/mamba", 1015),), "int32 pointer arithmetic in the SSD kernels past ~61K tokens",
+           "a GPU at scale; not an fla family"),
+    NotYet("N26", (gh("fla-org/flash-linear-attention", 1080),), "int32 block-pointer offsets past B*T*H*K > 2^31",
+           "a GPU at scale (524,288 tokens of Qwen3.5-4B)"),
+    NotYet("N27", (gh("fla-org/flash-linear-attention", 913),), "Blackwell: NaN gradients and out-of-bounds reads",
+           "a Blackwell GPU"),
+    NotYet("N28", (gh("fla-org/flash-linear-attention", 906),), "rwkv7 gate_output_correction past 65,536 tokens",
+           "a GPU at scale"),
+    NotYet("N29", (gh("fla-org/flash-linear-attention", 826, "pull"),), "Hopper + Triton >= 3.4 miscompiles a "
+           "transposed wgmma tensor in the GDN backward", "fla 0.6.0 refuses that backward on Hopper with Triton 3.6; "
+           "a Triton where it runs"),
+    NotYet("N32", (gh("QwenLM/FlashQLA", 28),), "the fused backward's gate-gradient cancellation under strong decay",
+           "fla's fused backward compared at strong decay on a GPU"),
+    NotYet("N33", (gh("deepspeedai/DeepSpeed", 8316, "pull"),), "a process-wide head count overwritten by another "
+           "component: 12 heads split [4, 4, 4, 0]", "two differently configured layers in one process"),
 )
 
 

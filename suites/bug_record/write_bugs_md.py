@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "suites"))
 
 from bug_record.checks import CHECKS  # noqa: E402
-from bug_record.registry import BUGS, FIDELITIES  # noqa: E402
+from bug_record.registry import BUGS, FIDELITIES, NOT_YET  # noqa: E402
 from clients.engines.fetch import RELEASES  # noqa: E402
 
 TEST = "suites/cpu/record/test_bug_record.py"
@@ -285,7 +285,15 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
         fidelity = f"*{b.fidelity}*" + (f": {_cell(b.fidelity_note)}" if b.fidelity_note else "")
         lines.append(f"| {b.row} | **{b.key}**: {_cell(b.mechanism)} | {reports} | {_cell(b.bug_class)} | "
                      f"{_cell(check)} | {b.runs} | {fidelity} | {verdict} | {took} | {where} |")
-    lines += ["", "Rows marked \"also\" come from the record's list of related reports outside its main table.", ""]
+    lines += ["", "Rows marked \"also\" come from the record's list of related reports outside its main table; rows "
+              "N1-N33 from its second half (a search of December 2026).", "",
+              "## Not in the record yet", "",
+              f"{len(NOT_YET)} reports of the second half are not planted yet; each needs what the last column says.",
+              "", "| # | upstream report | mechanism | needs |", "|---|---|---|---|"]
+    for n in NOT_YET:
+        reports = ", ".join(f"[{_cell(str(r))}]({r.url})" for r in n.reports)
+        lines.append(f"| {n.row} | {reports} | {_cell(n.mechanism)} | {_cell(n.needs)} |")
+    lines.append("")
     return "\n".join(lines)
 
 
@@ -321,7 +329,8 @@ def headline(cpu: int, gpu: int, total: int, gpu_run: str = "", kernel: int = 0,
                  f"standalone repro)")
     text += f", {gpu} kernel bugs on a GPU only ({gpu_run})." if gpu else "."
     return text + (f" The reported bugs by fidelity to their report: {fidelity_words()} (the fidelity column says "
-                   "how).")
+                   f"how). {len(NOT_YET)} more reports of the record's second half are not planted yet (the last "
+                   f"table says what each needs).")
 
 
 def update_readme(cpu: int, gpu: int, total: int, live: int = 0, fla: str = "the pinned fla") -> None:
@@ -331,8 +340,9 @@ def update_readme(cpu: int, gpu: int, total: int, live: int = 0, fla: str = "the
              + (f"; {live} of them live in {fla}, found in its own kernel" if live else ""))
     line = (f"{README_START}\nThe public bug record is its benchmark: {cpu + gpu + live} of {total} sharding and state "
             f"bugs ({entries_words(total)}) are caught with a report that locates them ({where}); the reported bugs "
-            f"by fidelity to their report: {fidelity_words()} ([docs/bugs.md](docs/bugs.md), generated from a run, "
-            f"says how for each).\n{README_END}")
+            f"by fidelity to their report: {fidelity_words()}; {len(NOT_YET)} more reports not planted yet "
+            f"([docs/bugs.md](docs/bugs.md), generated from a run, says how for each and what each missing one "
+            f"needs).\n{README_END}")
     if README_START in text:
         text = re.sub(re.escape(README_START) + r".*?" + re.escape(README_END), line, text, flags=re.S)
     else:

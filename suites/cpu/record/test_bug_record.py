@@ -17,7 +17,7 @@ import pytest
 
 from bug_record import checks
 from bug_record import plants_layer
-from bug_record.registry import BUGS, FIDELITIES, Bug
+from bug_record.registry import BUGS, FIDELITIES, NOT_YET, Bug
 from clients.per_token_loss import per_token_training_step
 from pytest_linattn.harness import Placement, assert_sharded_parity
 from pytest_linattn.parity import capture_records
@@ -96,6 +96,11 @@ def test_a_plant_in_the_replicated_layer_is_invisible_to_parity(spawn):
 def test_registry_entries_are_complete():
     keys = [b.key for b in BUGS]
     assert len(keys) == len(set(keys)), keys
+    # a report not planted yet is not also an entry, and says what it needs
+    planted = {b.row for b in BUGS}
+    for n in NOT_YET:
+        assert n.row not in planted and n.needs and n.reports, n.row
+        assert all(r.url.startswith("https://github.com/") for r in n.reports), n.row
     for b in BUGS:
         # fidelity is stated, never implied: how the plant stands to the report, and how when not simply faithful
         assert b.fidelity in FIDELITIES, f"{b.key}: fidelity {b.fidelity!r}, not one of {FIDELITIES}"
