@@ -225,6 +225,15 @@ def test_sglang_kda_pool_matches_the_float64_layer(spawn, decode_kernel, dtype):
 
 @needs(SGLANG)
 @pytest.mark.parametrize("dtype", dtypes())
+def test_sglang_kda_spec_decode_matches_the_serial_run(spawn, dtype):
+    from clients.engines.sglang_gdn import sglang_spec_path
+    from clients.engines.sglang_kda import kda_pool_reference_forward
+
+    check_spec(spawn, sglang_spec_path(KDA_CONFIG), kda_pool_reference_forward, "sglang-kda-spec", dtype, KDA_CONFIG)
+
+
+@needs(SGLANG)
+@pytest.mark.parametrize("dtype", dtypes())
 def test_sglang_gdn_spec_decode_matches_the_serial_run(spawn, dtype):
     from clients.engines.sglang_gdn import sglang_spec_path
 

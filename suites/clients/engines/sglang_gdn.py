@@ -47,11 +47,14 @@ GATING_OPS = "sglang.kernels.ops.attention.linear.fused_sigmoid_gating_recurrent
 PAD_SLOT_ID = -1
 
 
-def sglang_short_conv(call, xs, weights, cu_seqlens, conv_states):
+def sglang_short_conv(call, xs, weights, cu_seqlens, conv_view=None):
     """The short conv of a pool call on sglang's kernels over the q | k | v blocks `xs` (`[1, T, D_i]`)
-    with their weights, the conv pool `conv_states` `[slots, dim, W-1]` (a view for KDA's pool):
-    `causal_conv1d_fn` (prefill), `causal_conv1d_update` (decode; verify with every token's window
-    saved). Keeps the packed output on the call (the packed decodes read it)."""
+    with their weights, the call's conv pool and window buffer as `conv_view` hands them to the kernels
+    (`[slots, dim, W-1]`; KDA's pool is `[slots, W-1, dim]`, given transposed): `causal_conv1d_fn`
+    (prefill), `causal_conv1d_update` (decode; verify with every token's window saved). Keeps the
+    packed output on the call (the packed decodes read it)."""
+    view = conv_view or (lambda t: t)
+    conv_states = view(call.pool.conv)
     conv = load_sglang(CONV_OPS)
     mixed = torch.cat(xs, dim=-1)[0]
     weight = torch.cat(weights, dim=0)
@@ -66,7 +69,7 @@ def sglang_short_conv(call, xs, weights, cu_seqlens, conv_states):
     else:  # verify: [N, dim, 1 + K], every token's window saved
         rows = mixed.view(call.slots.shape[0], call.steps, -1).transpose(1, 2)
         y = conv.causal_conv1d_update(rows, conv_states, weight, None, "silu", conv_state_indices=call.slots,
-                                      intermediate_conv_window=call.buffers[0], intermediate_state_indices=call.rows,
+                                      intermediate_conv_window=view(call.buffers[0]), intermediate_state_indices=call.rows,
                                       pad_slot_id=PAD_SLOT_ID).transpose(1, 2).reshape(mixed.shape)
     call.mixed = y
     return list(y.unsqueeze(0).split([x.shape[-1] for x in xs], dim=-1))
@@ -87,7 +90,7 @@ class SglangGDN(GatedDeltaNet):
         if self.pool_call is None or cp_context is not None:
             raise ValueError("SglangGDN runs in a pool call only (sglang_pool_prefill / sglang_pool_decode), "
                              "without CP")
-        return sglang_short_conv(self.pool_call, xs, weights, cu_seqlens, self.pool_call.pool.conv)
+        return sglang_short_conv(self.pool_call, xs, weights, cu_seqlens)
 
     def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
         call = self.pool_call
@@ -204,8 +207,15 @@ def sglang_accept(module, pool, slots, num_accepted_tokens, placement):
 
 
 def sglang_spec_path(config, accept=sglang_accept) -> SpecDecodePath:
-    """SglangGDN with sglang's target_verify and accept (a slot per sequence, the last accepted
-    token first in every verify call; a planted bug replaces accept)."""
+    """SglangGDN (SglangKDA for a KDA config, its pool in sglang's KDA layout) with sglang's
+    target_verify and accept (a slot per sequence, the last accepted token first in every verify
+    call; a planted bug replaces accept)."""
+    if config.op == "kda":
+        from clients.engines.sglang_kda import _build as build_kda, sglang_kda_pool_prefill
+
+        layer = dataclasses.replace(linattn_layer(config), build=functools.partial(build_kda, config, "packed"))
+        return SpecDecodePath(layer, prefill=sglang_kda_pool_prefill, verify=sglang_verify, accept=accept,
+                              bonus_token=True)
     layer = dataclasses.replace(linattn_layer(config), build=functools.partial(_build, config, "recurrent",
                                                                                  "fused_sigmoid_gating"))
     return SpecDecodePath(layer, prefill=sglang_pool_prefill, verify=sglang_verify, accept=accept,

@@ -13,7 +13,12 @@ its Triton kernel set (`TritonKDAKernel`, srt/layers/attention/linear/kernels/kd
   (:955-962), then `fused_recurrent_kda_packed_decode` on the packed conv output (the packed
   path, :964-990; kda_triton.py:37-127) or, where the packed path is off (sglang's CPU / NPU /
   XPU fallback), `fused_sigmoid_gating_delta_rule_update(is_kda=True)` (kda_triton.py:129-160).
-  Padding rows at PAD_SLOT_ID = -1, which the kernels skip.
+  Padding rows at PAD_SLOT_ID = -1, which the kernels skip;
+- speculative decoding (`clients.engines.sglang_gdn.sglang_spec_path` on a KDA config): target_verify
+  as `_forward_target_verify` runs its reference kernels (kda_backend.py:1394-1450): the conv update
+  with every token's window saved (the window buffer transposed as the pool), then
+  `fused_sigmoid_gating_delta_rule_update(is_kda=True)` into intermediate state buffers, the slot
+  left as it was; accepting copies the accepted step into the slot.
 
 The pool is in sglang's KDA layout: the conv state `[W-1, dim]` per slot ("The KDA pool stores
 conv states as [kernel-1, dim]", kda_backend.py:1094; the kernels get it transposed, as
@@ -79,7 +84,7 @@ class SglangKDA(KimiDeltaAttention):
             raise ValueError("SglangKDA runs in a pool call only (sglang_kda_pool_prefill / sglang_pool_decode), "
                              "without CP")
         # kda_backend.py:1083: the kernels get the [W-1, dim] pool as a [dim, W-1] view
-        return sglang_short_conv(self.pool_call, xs, weights, cu_seqlens, self.pool_call.pool.conv.transpose(-1, -2))
+        return sglang_short_conv(self.pool_call, xs, weights, cu_seqlens, conv_view=lambda t: t.transpose(-1, -2))
 
     def _delta_rule(self, q, k, v, g, beta, cu_seqlens, cp_context=None, carry=None, **gate):
         call = self.pool_call
@@ -95,14 +100,17 @@ class SglangKDA(KimiDeltaAttention):
                 initial_state=call.pool.recurrent, out=out, ssm_state_indices=call.slots,
                 use_qk_l2norm_in_kernel=True, lower_bound=gate["lower_bound"])
             return out.transpose(0, 1)
-        if call.kind == "decode":
+        if call.kind in ("decode", "verify"):  # verify: kda_triton.py:162-220, target_verify
             gating = load_sglang(GATING_OPS)
+            verify = {} if call.kind == "decode" else dict(
+                disable_state_update=True, intermediate_states_buffer=call.buffers[1],
+                intermediate_state_indices=call.rows, cache_steps=call.steps)
             return gating.fused_sigmoid_gating_delta_rule_update(
                 A_log=A_log, a=g.contiguous(), dt_bias=zero_bias, softplus_beta=1.0, softplus_threshold=20.0,
                 q=q.contiguous(), k=k.contiguous(), v=v.contiguous(), b=beta.contiguous(),
                 initial_state_source=call.pool.recurrent, initial_state_indices=call.slots, scale=scale,
                 use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.to(torch.int32), is_kda=True,
-                lower_bound=gate["lower_bound"])
+                lower_bound=gate["lower_bound"], **verify)
         kda = load_sglang(f"{FLA_OPS}.kda")
         return kda.chunk_kda(
             q=q.contiguous(), k=k.contiguous(), v=v.contiguous().clone(), g=g.contiguous(), beta=beta.contiguous(),
