@@ -49,8 +49,8 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    TP 2 (suites/clients/checkpoint.py: linattn's shard / unshard as an exporter and a loader)
     checkpoint-fp8 the same through an FP8-style client (suites/clients/quantized_checkpoint.py: a scale
                    per section of a fused weight, per head along the sharded dim), its weights at its bound
-    fresh-init     assert_fresh_init_is_finite: the layer class built 64 times (seeds) in float32 and bf16 at
-                   the GPU suites' sizes (32 value heads), every parameter finite
+    fresh-init     assert_fresh_init_is_finite: the layer class built 64 times (seeds) in float32 and bf16 with
+                   32 value heads, every parameter finite
     kernel         fla's kernel against the float64 reference in the entry's kernel test (a bug the
                    layers cannot reach); run by that test, never by `run`
 
@@ -298,11 +298,9 @@ INIT_SEEDS = range(64)
 
 
 def fresh_init(cls=None):
-    """Every parameter of the layer class's fresh init finite, at a GPU-sized head count (32 value
-    heads: a 1-in-256 draw per head shows within the seeds)."""
-    from cases.layer_parity import gpu_config
-
-    config = dataclasses.replace(gpu_config("qwen3_5"), num_v_heads=32)
+    """Every parameter of the layer class's fresh init finite, at a production head count (32 value
+    heads: a 1-in-256 draw per head shows within the seeds) on the record's small widths."""
+    config = dataclasses.replace(CONFIG, num_v_heads=32)
     assert_fresh_init_is_finite(lambda dtype: (cls or GatedDeltaNet)(config, dtype=dtype), seeds=INIT_SEEDS,
                                 name="record")
 
