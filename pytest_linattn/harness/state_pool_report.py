@@ -118,8 +118,8 @@ def _unshard(path, p, per_tp_rank) -> list:
 
 def check_snapshots(p, path, plans, bounds, run, results, rtol, state_at) -> list[str]:
     """The prefix blocks changed after their call, then each snapshot against the float64 state
-    at its boundary (an inner snapshot named with the chunk it lies in; with inner snapshots a
-    wrong one also says what it holds where that is recognised: `_held`)."""
+    at its boundary (an inner snapshot named with the chunk it lies in; a wrong one also says what
+    it holds where that is recognised: `_held`)."""
     calls, snapshots, expected = run.calls, run.snapshots, run.expected
     failures = []
     for r, result in enumerate(results):
@@ -143,8 +143,7 @@ def check_snapshots(p, path, plans, bounds, run, results, rtol, state_at) -> lis
             for f, (field, a, e) in enumerate(zip(names, got, expected[slot])):
                 err = _error(a[k], e)
                 if not err <= rtol:
-                    held = (_held(a[k], f, run.pool[f][slot], seq, t, start, end, rtol, state_at)
-                            if path.inner_snapshots else "")
+                    held = _held(a[k], e, f, run.pool[f][slot], seq, t, start, end, rtol, state_at)
                     failures.append(f"{describe_call(i, calls[i])}: the snapshot of sequence {seq} ({plans[seq]}) at "
                                     f"{where} in slot {slot} is not the state there: field {field} error {err:.1e}"
                                     + held + (f" (cp_rank{c})" if p.cp > 1 else ""))
@@ -156,12 +155,19 @@ def _error(actual, expected) -> float:
                                                                           or 1.0)
 
 
-def _held(actual, f, initial, seq, t, start, end, rtol, state_at) -> str:
+def _held(actual, expected, f, initial, seq, t, start, end, rtol, state_at) -> str:
     """What a wrong snapshot's field `f` holds, where recognised: the slot's contents before the
-    run (never written), or the float64 state at another token of its chunk (published under a
-    boundary it does not represent); '' otherwise."""
+    run (never written), part the state and part those contents (a partial copy), or the float64
+    state at another token of its chunk (published under a boundary it does not represent); ''
+    otherwise."""
     if _error(actual, initial) <= rtol:
         return "; it holds the slot's contents from before (never written)"
+    a, e = actual.double().flatten(), expected.double().flatten()
+    copied = (a - e).abs() <= rtol * float(e.abs().max())
+    kept = actual.flatten() == initial.to(actual.dtype).flatten()
+    if bool((copied | kept).all()) and 0 < int(copied.sum()) < a.numel():
+        return (f"; it holds a partial copy: {int(copied.sum())} of {a.numel()} elements the state's, the rest the "
+                f"slot's contents from before")
     for u in [end] + list(range(max(start, 1), end)):  # the chunk's end first, then its other tokens
         if u != t and _error(actual, state_at(seq, u)[f]) <= rtol:
             return f"; it holds the state at token {u}" + (" (its chunk's end)" if u == end else "")

@@ -46,7 +46,13 @@ PREFIX_BLOCK_WRITTEN = (PREFIX_CALL + r" changed prefix block slot \d+ \(the sna
 # a snapshot slot left as it was: not the state at its block boundary, from the first snapshot (the
 # first sequence's, at the first block boundary: bug_record.checks.PREFIX_PLANS, PREFIX_BLOCK)
 SNAPSHOT_WRONG = (PREFIX_CALL + r": the snapshot of sequence 0 \([^)]*\) at token " + str(checks.PREFIX_BLOCK)
-                  + r" in slot \d+ is not the state there: field \w+ error \S+")
+                  + r" in slot \d+ is not the state there: field \w+ error \S+; it holds the slot's contents from "
+                  r"before \(never written\)")
+# a snapshot copied in part (an element count read as bytes): the first snapshot, each field's first
+# numel / element_size elements the state's (float64 ranks: 1 in 8)
+SNAPSHOT_PARTIAL = (PREFIX_CALL + r": the snapshot of sequence 0 \([^)]*\) at token " + str(checks.PREFIX_BLOCK)
+                    + r" in slot \d+ is not the state there: field \w+ error \S+; it holds a partial copy: "
+                    r"(\d+) of (\d+) elements the state's, the rest the slot's contents from before")
 # a verify call's slot left holding a state past its accepted drafts
 SPEC_STATE = (r"call \d+ \(verify round \d+: 3 drafts each of sequences \[[\d, ]+\] in slots \[[\d, ]+\], accepted "
               r"\[[\d, ]+\]\): slot \d+, sequence \d+ \([^)]*\), state after token \d+, [012] of 3 drafts accepted: "

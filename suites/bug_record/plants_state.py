@@ -197,6 +197,22 @@ def prefill_hit_from_an_empty_state(module, x, cu_seqlens, pool, slots, fresh, p
                         None)
 
 
+def prefill_copying_snapshots_by_element_count(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots,
+                                               prefix_slots):
+    """llama.cpp #20700 (a state-pool client's prefill in prefix mode): the recurrent-state copy
+    into the snapshot cell passed an element count where `ggml_view_1d` wanted bytes, so each
+    field's copy covers its first numel / element_size elements only (the rest of the snapshot
+    slot keeps what it held)."""
+    y = pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, None, prefix_slots)
+    taken = (snapshot_slots >= 0).nonzero().flatten()
+    for f in pool:
+        for n in taken.tolist():
+            source, target = f[slots[n]].flatten(), f[snapshot_slots[n]].view(-1)
+            count = source.numel() // source.element_size()  # the element count, read as bytes
+            target[:count] = source[:count]
+    return y
+
+
 def accept_keeping_rejected_drafts(module, pool, slots, num_accepted_tokens, placement):
     """sglang #27658 / #40419, vllm-ascend #12255 (the spec-decode client's accept,
     `SpecDecodePath.accept`): the slot keeps the state the verify call advanced through all K

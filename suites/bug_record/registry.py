@@ -379,6 +379,13 @@ BUGS = (
         "stateful", located=where.SNAPSHOT_WRONG,
         fidelity="faithful", fidelity_note=("in the project's client (suites/clients/state_pool.py), not sglang's "
             "code")),
+    Bug("llama-cpp-20700", "N18", (gh("ggml-org/llama.cpp", 20700),),
+        "Qwen3.5 MTP: the recurrent-state copy_cell used an element count where ggml_view_1d wanted bytes: a partial "
+        "state copy", "state pool (copy size)", "No", "state-pool-prefix",
+        _pool(prefill=S.prefill_copying_snapshots_by_element_count), "stateful", located=where.SNAPSHOT_PARTIAL,
+        fidelity="moved", fidelity_note=("llama.cpp's cell copy between sequences (its MTP draft checkpoints); "
+            "planted in the project's client's snapshot copy (suites/clients/state_pool.py's prefix mode), each "
+            "field's first numel / element_size elements copied")),
     Bug("vllm-43090", "N15", (gh("vllm-project/vllm", 43090),),
         "the attention group hits the prefix cache, the Mamba group misses; the coordinator keeps one scalar "
         "num_computed_tokens > 0, so has_initial_states is true and the Mamba layer recurs from an empty state "
@@ -601,8 +608,6 @@ NOT_YET = (
            "snapshot metadata", "prefill and decode rows in one call of the pool check"),
     NotYet("N17", (gh("LMCache/LMCache", 2863),), "an external KV connector reports attention hits for state it "
            "never restored", "a connector client: the observable is vllm-43090's"),
-    NotYet("N18", (gh("ggml-org/llama.cpp", 20700),), "a recurrent-state copy sized in elements where bytes were "
-           "meant: a partial copy", "a located line apart from sglang-31474's in the prefix mode"),
     NotYet("N19", (gh("wtdcode/vllm-backport", 63, "pull"),), "PP + MTP + prefix caching: a stale batch-to-row map "
            "on a non-last stage copies state through other requests' blocks", "pipeline parallel in the harness"),
     NotYet("N20", (gh("sgl-project/sglang", 36722, "pull"),), "a proposed change of the decode kernels' value-to-key "
