@@ -11,6 +11,8 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    output, each its own case; the report says which are off and which right
     cp-parity      assert_sharded_parity at CP 2, contiguous
     cp-short       assert_sharded_parity at CP 4 on 8 tokens: pieces of 2 < W-1 tokens
+    cp-zigzag      assert_sharded_parity at CP 2 in the per-sequence zigzag layout (each sequence in 2 * cp
+                   chunks, rank r holding chunks r and 2cp-1-r of every one), CU_ZIGZAG
     cp-padded      assert_sharded_parity at CP 2, padded THD (zigzag over every sequence padded to a
                    multiple of 2 * cp; the lengths are not)
     oracle         the replicated layer against the HF-written composition over linattn.reference
@@ -89,6 +91,7 @@ RTOL = 1e-10
 SEED = 44
 REPLICATED_CONFIG = dataclasses.replace(CONFIG, num_k_heads=2)  # TP 4: 2 replicas per key head
 CU = [0, 1, 14, 24, 32]  # a 1-token sequence; sequences crossing the CP 2 shard edge
+CU_ZIGZAG = [0, 8, 20, 32]  # every length a multiple of 2 * cp (4)
 CU_SHORT = [0, 1, 8]  # at CP 4 every piece holds 2 tokens, fewer than W-1 = 3
 STATE_SEQLENS = (14, 12, 10, 7)  # cut by plan_cuts into 1+3+8, 4+6, 8, 3+.. chunks, then 2 decode steps
 STATE_CU = torch.tensor([0, *STATE_SEQLENS]).cumsum(0).to(torch.int32)
@@ -136,6 +139,7 @@ CHECKS = {
                 "then the output)",
     "cp-parity": "CP parity (`assert_sharded_parity`, CP 2)",
     "cp-short": "CP parity, pieces shorter than W-1 (`assert_sharded_parity`, CP 4, 8 tokens)",
+    "cp-zigzag": "CP parity, per-sequence zigzag (`assert_sharded_parity`, CP 2, `zigzag`)",
     "cp-padded": "CP parity, padded THD (`assert_sharded_parity`, CP 2, `zigzag-padded`)",
     "oracle": "oracle (`test_layer_math.py` composition over `linattn.reference`)",
     "continuation": "continuation (`assert_continuation_parity`, TP 2, float64)",
@@ -391,6 +395,8 @@ def run(spawn, check, subject=None):
         return _parity(spawn, subject, Placement(cp=2), CU)
     if check == "cp-short":
         return _parity(spawn, subject, Placement(cp=4), CU_SHORT)
+    if check == "cp-zigzag":
+        return _parity(spawn, subject, Placement(cp=2, cp_layout="zigzag"), CU_ZIGZAG)
     if check == "cp-padded":
         return _parity(spawn, subject, Placement(cp=2, cp_layout="zigzag-padded"), CU)
     if check == "oracle":

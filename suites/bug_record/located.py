@@ -324,3 +324,26 @@ def inner_snapshot_misplaced(plans=checks.INNER_PLANS, hits=checks.INNER_HITS, b
     """vLLM #51113's plant: the first inner snapshot holding its chunk's end state."""
     n, t, end = S.misplaced_inner_snapshots(plans, hits, block)[0]
     return inner_snapshot_wrong(n, t, f"the state at token {end} (its chunk's end)", plans, hits)
+
+
+def first_wrong_of_a_flat_context(cu=checks.CU_ZIGZAG, cp=2):
+    """Megatron #3282's plant at cp-zigzag: the layer computes the tokens a rank holds (per-sequence
+    zigzag) as the flat positions [r * T/cp, ...) it believes it holds; a held token is right only
+    if every position from its flat sequence's start to it holds the token of that position. Per CP
+    rank, its first wrong token in global order (or "none")."""
+    from pytest_linattn.harness import Placement
+    from pytest_linattn.harness.placement import rank_token_index
+
+    total, local = cu[-1], cu[-1] // cp
+    held = [rank_token_index(cu, Placement(cp=cp, cp_layout="zigzag"), cp_rank=r).tolist() for r in range(cp)]
+    token_at = [held[f // local][f % local] for f in range(total)]  # flat position -> the token held there
+
+    def right(f):
+        start = max(b for b in cu if b <= f)
+        return all(token_at[u] == u for u in range(start, f + 1))
+
+    per_rank = []
+    for r in range(cp):
+        wrong = [token_at[f] for f in range(r * local, (r + 1) * local) if not right(f)]
+        per_rank.append(at_token(min(wrong), cu) if wrong else "none")
+    return first_wrong_per_rank(f"record/cp{cp}-zigzag/seed44", *per_rank)

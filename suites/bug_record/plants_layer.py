@@ -306,6 +306,16 @@ def balance_bias_layer(config):
                                forward=forward_updating_balance_bias)
 
 
+class ContextOfTheFlattenedStream(GatedDeltaNet):
+    """Megatron-LM #3282 (the layout mismatch it fixed): the framework hands each CP rank its chunks
+    of every packed sequence (per-sequence zigzag), while the CP context is built as fla's
+    `build_cp_context` assumes, rank r owning [r * T/cp, (r+1) * T/cp) of the flattened stream: the
+    two agree for one sequence split contiguously only."""
+
+    def _cp_context(self, cu_seqlens, total, cu_seqlens_padded=None):
+        return cp.build_context(cu_seqlens, self.cp_group, "contiguous", total_tokens=total)
+
+
 class DecayRateDrawnFromZero(GatedDeltaNet):
     """transformers #47842 (issue #47831): Qwen3-Next / Qwen3.5's GDN init draws A = uniform_(0, 16)
     in the parameter's dtype and stores log(A); in bf16 the draws are multiples of 1/16, so about

@@ -311,6 +311,14 @@ BUGS = (
         fidelity="moved", fidelity_note=("Nemotron-H's Mamba mixer mapping in ModelOpt's Megatron exporter; planted "
             "in the project's checkpoint exporter (suites/clients/checkpoint.py) on GDN's A_log, dt_bias and "
             "conv1d (GDN has no D; its norm is rightly replicated)")),
+    Bug("megatron-3282", "N24", (gh("NVIDIA/Megatron-LM", 3282, "pull"),),
+        "chunkwise GDN CP on THD: the framework gives each packed sequence its own chunks per rank, while fla's "
+        "build_cp_context assumes rank r owns [r*part_len, (r+1)*part_len) of the flattened stream; the two agree "
+        "for one sequence only", "CP layout convention", "No", "cp-zigzag", _layer(L.ContextOfTheFlattenedStream),
+        "sharded", located=where.first_wrong_of_a_flat_context(),
+        fidelity="partial", fidelity_note=("the framework's per-sequence chunks are zigzag here (2 * cp chunks of "
+            "every sequence, as Megatron's THD CP splits), against a context of the flattened stream built in "
+            "linattn's layer (its own CP context stands for fla's)")),
     Bug("transformers-47842", "N30", (gh("huggingface/transformers", 47842, "pull"), gh("huggingface/transformers", 47831)),
         "GDN's A initialised with uniform_(0, 16) in bf16 rounds some draws to exactly 0; log(0) = -inf gives heads "
         "with no decay and no gradient", "other (init precision)", "No", "fresh-init", _cls(L.DecayRateDrawnFromZero),
@@ -614,8 +622,6 @@ NOT_YET = (
            "head index from i // (HV/H) to i % H", "named head-pairing conventions in the layers and the harness"),
     NotYet("N21", (gh("ggml-org/llama.cpp", 21732, "pull"),), "a TP split that assumed Qwen3-Next and Qwen3.5 "
            "broadcast K across V heads the same way", "named head-pairing conventions in the layers and the harness"),
-    NotYet("N24", (gh("NVIDIA/Megatron-LM", 3282, "pull"),), "a framework's per-sequence CP chunks against fla's "
-           "flattened-stream CP context", "a CP client with its own packing convention against fla's context"),
     NotYet("N25", (gh("state-spaces/mamba", 1015),), "int32 pointer arithmetic in the SSD kernels past ~61K tokens",
            "a GPU at scale; not an fla family"),
     NotYet("N26", (gh("fla-org/flash-linear-attention", 1080),), "int32 block-pointer offsets past B*T*H*K > 2^31",
