@@ -18,7 +18,18 @@ from ..parity import check_rtol
 from .placement import Placement, as_cu_seqlens, check_fits, default_process_groups
 from .recompute import check_recompute
 
-__all__ = ["DECODE_LAYOUTS", "ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer"]
+__all__ = ["DECODE_LAYOUTS", "ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer",
+           "require_module_level"]
+
+
+def require_module_level(obj) -> None:
+    """ValueError unless `obj` (a client's path or layer description) pickles: spawn sends its
+    callables to the ranks by reference, so they must be module-level. Fails here, not inside spawn."""
+    try:
+        pickle.dumps(obj)
+    except Exception as exc:  # noqa: BLE001 - reported as bad input
+        raise ValueError(f"{type(obj).__name__}'s callables must be module-level (spawn pickles them by reference): "
+                         f"{exc}") from None
 
 # how a decode call lays out its N tokens (one per sequence), input and output alike
 DECODE_LAYOUTS = {
@@ -91,10 +102,7 @@ class ShardedLayer:
         if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
             raise ValueError(f"ShardedLayer.replicated must be a collection of parameter names, got {self.replicated!r}")
         object.__setattr__(self, "replicated", frozenset(self.replicated))
-        try:  # fail here, not inside spawn: the ranks get the callables by reference
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"ShardedLayer's callables must be module-level (spawn pickles them by reference): {exc}") from None
+        require_module_level(self)
 
     def require_unshard(self, check: str) -> None:
         """ValueError unless `unshard` is given: `check` compares parameter gradients."""
@@ -216,10 +224,7 @@ class TrainingStep:
         for field in ("loss", "finalize_grads", "grad_norm", "clip", "zero_grads"):
             if getattr(self, field) is not None and not callable(getattr(self, field)):
                 raise ValueError(f"TrainingStep.{field} must be callable or None, got {getattr(self, field)!r}")
-        try:
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"TrainingStep's callables must be module-level (spawn pickles them by reference): {exc}") from None
+        require_module_level(self)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +281,4 @@ class StatePath:
                 raise ValueError(f"StatePath.{field} must be a bool, got {getattr(self, field)!r}")
         if (self.shard_state is None) != (self.unshard_state is None):
             raise ValueError("StatePath.shard_state and unshard_state are given together (or neither: tp = 1 only)")
-        try:
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"StatePath's callables must be module-level (spawn pickles them by reference): {exc}") from None
+        require_module_level(self)

@@ -40,13 +40,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-import pickle
 from collections.abc import Callable, Sequence
 
 import torch
 
 from ..parity import check_rtol
-from .cases import ParityCase, ShardedLayer
+from .cases import ParityCase, ShardedLayer, require_module_level
 from .checkpoint_rank import RankSave, save_on_rank
 from .checkpoint_report import Rows, row_table, shape_line, value_lines
 from .placement import Placement, as_cu_seqlens, positive_int
@@ -102,11 +101,7 @@ class CheckpointIO:
             if not isinstance(self.config, LinearAttentionConfig):
                 raise ValueError(f"CheckpointIO.config must be a linattn.layers.LinearAttentionConfig (the layer's, "
                                  f"its parameters laid out as linattn's) or None, got {type(self.config).__name__}")
-        try:  # fail here, not inside spawn
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"CheckpointIO's callables must be module-level (spawn pickles them by reference): "
-                             f"{exc}") from None
+        require_module_level(self)
 
 
 def _check_sizes(sizes) -> list[tuple[int, int]]:

@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-import pickle
 from collections.abc import Callable, Sequence
 
 import torch
@@ -39,7 +38,7 @@ import torch
 from linattn.checks import positive_int
 
 from ..parity import check_rtol
-from .cases import ShardedLayer
+from .cases import ShardedLayer, require_module_level
 from .continuation_plans import cp_filler
 from .continuation_rank import cp_share
 from .continuation_report import cp_view, field_names
@@ -83,11 +82,7 @@ class PaddedStatePath:
             raise ValueError(f"PaddedStatePath.forward must be callable, got {self.forward!r}")
         if self.unshard_state is not None and not callable(self.unshard_state):
             raise ValueError(f"PaddedStatePath.unshard_state must be callable or None, got {self.unshard_state!r}")
-        try:
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"PaddedStatePath's callables must be module-level (spawn pickles them by reference): "
-                             f"{exc}") from None
+        require_module_level(self)
 
 
 def assert_padded_continuation_parity(spawn, path: PaddedStatePath, reference: torch.nn.Module,

@@ -46,7 +46,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 from collections.abc import Callable, Sequence
 
 import torch
@@ -54,7 +53,7 @@ import torch
 from linattn.checks import positive_int
 
 from ..parity import check_rtol
-from .cases import ShardedLayer
+from .cases import ShardedLayer, require_module_level
 from .continuation_report import cp_view, field_names
 from .placement import Placement
 from .spec_decode_rank import RankSpec, SpecCall, run_spec_on_rank
@@ -161,11 +160,7 @@ class SpecDecodePath:
             raise ValueError("SpecDecodePath.shard_state and unshard_state are given together "
                              "(or neither: tp = 1 only)")
         object.__setattr__(self, "state_dtypes", check_state_dtypes(self.state_dtypes, "SpecDecodePath"))
-        try:
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"SpecDecodePath's callables must be module-level (spawn pickles them by reference): "
-                             f"{exc}") from None
+        require_module_level(self)
 
 
 def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.Module,

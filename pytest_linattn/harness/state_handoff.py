@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import pickle
 from collections.abc import Callable, Sequence
 
 import torch
@@ -36,7 +35,7 @@ import torch
 from linattn.checks import positive_int
 
 from ..parity import assert_parity, check_rtol
-from .cases import DECODE_LAYOUTS, ShardedLayer
+from .cases import DECODE_LAYOUTS, ShardedLayer, require_module_level
 from .continuation_report import field_names
 from .placement import Placement, as_cu_seqlens
 from .state_handoff_rank import RankDecode, RankPrefill, run_decode_on_rank, run_prefill_on_rank
@@ -98,11 +97,7 @@ class StateHandoffPath:
             if not isinstance(self.config, LinearAttentionConfig):
                 raise ValueError(f"StateHandoffPath.config must be a linattn.layers.LinearAttentionConfig (the "
                                  f"layer's, its state in linattn's layout) or None, got {type(self.config).__name__}")
-        try:
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"StateHandoffPath's callables must be module-level (spawn pickles them by reference): "
-                             f"{exc}") from None
+        require_module_level(self)
 
 
 def _check_tp_only(placement, what: str) -> None:

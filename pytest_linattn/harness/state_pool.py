@@ -56,7 +56,6 @@ them, and chunks need not end on block boundaries. This module imports no pytest
 from __future__ import annotations
 
 import dataclasses
-import pickle
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,7 +63,7 @@ import torch
 from linattn.checks import positive_int
 
 from ..parity import check_rtol
-from .cases import ShardedLayer
+from .cases import ShardedLayer, require_module_level
 from .continuation_plans import SequencePlan
 from .continuation_report import field_names
 from .placement import Placement, as_cu_seqlens
@@ -168,11 +167,7 @@ class StatePoolPath:
                                                   and (pad in (-1, 0) or pad in self.reserved_slots))):
             raise ValueError(f"StatePoolPath.padding_slot must be -1 (a sentinel), 0, a reserved slot or 'free' "
                              f"(a free slot); None: -1, slot 0 and a free slot in turn; got {pad!r}")
-        try:
-            pickle.dumps(self)
-        except Exception as exc:  # noqa: BLE001 - reported as bad input
-            raise ValueError(f"StatePoolPath's callables must be module-level (spawn pickles them by reference): "
-                             f"{exc}") from None
+        require_module_level(self)
 
 
 def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Module, placements: Sequence[Placement],
