@@ -3,7 +3,8 @@
 kernels/ops/attention/fla/fused_recurrent.py), the transpose of linattn's `[HV, dk, dv]`; the conv
 state as linattn does, `[dim, W-1]`. The engine clients' pools are in the engines' layout, and the
 reference's states are given so (`engine_reference_forward`, the harness's reference_forward).
-`call_with_pool`: how every engine client hands a call's pool and slots to its layer's kernels."""
+`call_with_pool`: how every engine client hands a call's pool and slots to its layer's kernels;
+`gdn_packed_decode`: the GDN packed decode both engines carry with fla's signature."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import types
 
 from linattn.layers import LayerState, shard_layer_state, unshard_layer_state
 
-__all__ = ["call_with_pool", "engine_reference_forward", "engine_shard_state", "engine_unshard_state",
+__all__ = ["call_with_pool", "engine_reference_forward", "gdn_packed_decode", "engine_shard_state", "engine_unshard_state",
            "from_engine_state", "to_engine_state"]
 
 
@@ -48,3 +49,16 @@ def call_with_pool(module, x, cu_seqlens, **call):
         return module(x, cu_seqlens)
     finally:
         module.pool_call = None
+
+
+def gdn_packed_decode(recurrent, call, q, v, g, beta, gate, scale):
+    """One token per row through an engine's `fused_recurrent_gated_delta_rule_packed_decode`
+    (`recurrent`: the vLLM or sglang module holding it; both keep fla's signature) on the call's
+    packed conv output, its pool's recurrent state updated in place: `[1, B, HV, dv]`. g, beta:
+    the gate and beta projections a, b (the kernel computes the gate and beta from them)."""
+    out = q.new_empty(q.shape[1], 1, v.shape[2], v.shape[3])
+    recurrent.fused_recurrent_gated_delta_rule_packed_decode(
+        mixed_qkv=call.mixed.contiguous(), a=g[0].contiguous(), b=beta[0].contiguous(), A_log=gate["A_log"],
+        dt_bias=gate["dt_bias"], scale=scale, initial_state=call.pool.recurrent, out=out,
+        ssm_state_indices=call.slots, use_qk_l2norm_in_kernel=True)
+    return out.transpose(0, 1)

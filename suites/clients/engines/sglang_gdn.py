@@ -33,7 +33,7 @@ import functools
 import torch
 
 from cases.layer_parity import linattn_layer
-from clients.engines.layout import call_with_pool
+from clients.engines.layout import call_with_pool, gdn_packed_decode
 from clients.engines.loader import load_sglang
 from linattn.layers import GatedDeltaNet
 from pytest_linattn.harness import SpecDecodePath, StatePoolPath
@@ -98,13 +98,7 @@ class SglangGDN(GatedDeltaNet):
         q, k, v = (t.contiguous() for t in (q, k, v))
         cu = cu_seqlens.to(torch.int32)
         if call.kind == "decode" and self.decode_kernel == "packed":  # g, beta: the projections a, b
-            recurrent = load_sglang(f"{FLA_OPS}.fused_recurrent")
-            out = q.new_empty(q.shape[1], 1, v.shape[2], v.shape[3])
-            recurrent.fused_recurrent_gated_delta_rule_packed_decode(
-                mixed_qkv=call.mixed.contiguous(), a=g[0].contiguous(), b=beta[0].contiguous(), A_log=gate["A_log"],
-                dt_bias=gate["dt_bias"], scale=scale, initial_state=call.pool.recurrent, out=out,
-                ssm_state_indices=call.slots, use_qk_l2norm_in_kernel=True)
-            return out.transpose(0, 1)
+            return gdn_packed_decode(load_sglang(f"{FLA_OPS}.fused_recurrent"), call, q, v, g, beta, gate, scale)
         if call.kind in ("decode", "verify"):  # g, beta: the projections a, b
             gating = load_sglang(GATING_OPS)
             verify = {} if call.kind == "decode" else dict(
@@ -211,10 +205,10 @@ def sglang_spec_path(config, accept=sglang_accept) -> SpecDecodePath:
     target_verify and accept (a slot per sequence, the last accepted token first in every verify
     call; a planted bug replaces accept)."""
     if config.op == "kda":
-        from clients.engines.sglang_kda import _build as build_kda, sglang_kda_pool_prefill
+        from clients.engines.sglang_kda import _build as build_kda
 
         layer = dataclasses.replace(linattn_layer(config), build=functools.partial(build_kda, config, "packed"))
-        return SpecDecodePath(layer, prefill=sglang_kda_pool_prefill, verify=sglang_verify, accept=accept,
+        return SpecDecodePath(layer, prefill=sglang_pool_prefill, verify=sglang_verify, accept=accept,
                               bonus_token=True)
     layer = dataclasses.replace(linattn_layer(config), build=functools.partial(_build, config, "recurrent",
                                                                                  "fused_sigmoid_gating"))

@@ -8,7 +8,8 @@ its Triton kernel set (`TritonKDAKernel`, srt/layers/attention/linear/kernels/kd
   `cache_indices` and `has_initial_state` (`_convolve_prefill`, :1031), then `chunk_kda` with
   `initial_state_indices` = the slots, reading and writing the pool in place, the gate and beta
   in the kernel (`A_log`, `dt_bias`, `lower_bound`, `beta_is_raw=True`; kda_triton.py:223-275);
-  a newly allocated slot zeroed first, as sglang's GDN client does (`MambaPool.clear_slots`);
+  a newly allocated slot zeroed first (`MambaPool.clear_slots`: the GDN client's
+  `sglang_pool_prefill`, the same glue);
 - decode (`forward_decode`, :770-1000): `causal_conv1d_update` with `conv_state_indices`
   (:955-962), then `fused_recurrent_kda_packed_decode` on the packed conv output (the packed
   path, :964-990; kda_triton.py:37-127) or, where the packed path is off (sglang's CPU / NPU /
@@ -37,9 +38,10 @@ import functools
 import torch
 
 from cases.layer_parity import linattn_layer
-from clients.engines.layout import call_with_pool, engine_shard_state, engine_unshard_state
+from clients.engines.layout import engine_shard_state, engine_unshard_state
 from clients.engines.loader import load_sglang
-from clients.engines.sglang_gdn import FLA_OPS, GATING_OPS, PAD_SLOT_ID, sglang_pool_decode, sglang_short_conv
+from clients.engines.sglang_gdn import (FLA_OPS, GATING_OPS, PAD_SLOT_ID, sglang_pool_decode, sglang_pool_prefill,
+                                        sglang_short_conv)
 from linattn.layers import KimiDeltaAttention, LayerState
 from pytest_linattn.harness import StatePoolPath
 
@@ -81,7 +83,7 @@ class SglangKDA(KimiDeltaAttention):
 
     def _short_conv(self, xs, weights, cu_seqlens, cp_context=None, carry=None):
         if self.pool_call is None or cp_context is not None:
-            raise ValueError("SglangKDA runs in a pool call only (sglang_kda_pool_prefill / sglang_pool_decode), "
+            raise ValueError("SglangKDA runs in a pool call only (sglang_pool_prefill / sglang_pool_decode), "
                              "without CP")
         # kda_backend.py:1083: the kernels get the [W-1, dim] pool as a [dim, W-1] view
         return sglang_short_conv(self.pool_call, xs, weights, cu_seqlens, conv_view=lambda t: t.transpose(-1, -2))
@@ -119,15 +121,6 @@ class SglangKDA(KimiDeltaAttention):
             lower_bound=gate["lower_bound"], beta_is_raw=True)
 
 
-def sglang_kda_pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement):
-    """One chunk of each sequence from its slot, a fresh sequence's slot zeroed first."""
-    fresh = fresh.to(slots.device)
-    for f in pool:
-        f.index_fill_(0, slots[fresh], 0)
-    return call_with_pool(module, x, cu_seqlens, kind="prefill", pool=pool, slots=slots.to(torch.int32),
-                          has_initial_state=~fresh)
-
-
 def _build(config, decode_kernel, placement, groups, dtype, device):
     tp_group, _ = groups
     module = SglangKDA(config, tp_group=tp_group, dtype=dtype, device=device)
@@ -135,7 +128,7 @@ def _build(config, decode_kernel, placement, groups, dtype, device):
     return module
 
 
-def sglang_kda_pool_path(config, decode_kernel="packed", prefill=sglang_kda_pool_prefill,
+def sglang_kda_pool_path(config, decode_kernel="packed", prefill=sglang_pool_prefill,
                          decode=sglang_pool_decode) -> StatePoolPath:
     """SglangKDA for a KDA `config`, its decode on `decode_kernel` ("packed" or
     "fused_sigmoid_gating"), with sglang's slot conventions (padding rows at -1) and its KDA pool

@@ -35,7 +35,8 @@ import torch
 
 from cases.layer_parity import linattn_layer
 from clients.engines.loader import load_vllm
-from clients.engines.layout import call_with_pool, engine_reference_forward, engine_shard_state, engine_unshard_state
+from clients.engines.layout import (call_with_pool, engine_reference_forward, engine_shard_state, engine_unshard_state,
+                                     gdn_packed_decode)
 from clients.spec_decode import current_slots, num_accepted, row_accept, row_prefill_slots
 from linattn.layers import GatedDeltaNet, LayerState
 from pytest_linattn.harness import SpecDecodePath, StatePoolPath
@@ -116,13 +117,7 @@ class VllmGDN(GatedDeltaNet):
         scale = self.config.head_k_dim ** -0.5
         q, k, v = (t.contiguous() for t in (q, k, v))
         if call.kind == "decode" and self.decode_kernel == "packed":  # g, beta: the projections a, b
-            recurrent = load_vllm(f"{FLA_OPS}.fused_recurrent")
-            out = q.new_empty(q.shape[1], 1, v.shape[2], v.shape[3])
-            recurrent.fused_recurrent_gated_delta_rule_packed_decode(
-                mixed_qkv=call.mixed.contiguous(), a=g[0].contiguous(), b=beta[0].contiguous(), A_log=gate["A_log"],
-                dt_bias=gate["dt_bias"], scale=scale, initial_state=call.pool.recurrent, out=out,
-                ssm_state_indices=call.slots, use_qk_l2norm_in_kernel=True)
-            return out.transpose(0, 1)
+            return gdn_packed_decode(load_vllm(f"{FLA_OPS}.fused_recurrent"), call, q, v, g, beta, gate, scale)
         if call.kind in ("decode", "verify"):  # g, beta: the projections a, b (gate["A_log"], gate["dt_bias"] beside)
             gating = load_vllm(f"{FLA_OPS}.fused_sigmoid_gating")
             o, _ = gating.fused_sigmoid_gating_delta_rule_update(
