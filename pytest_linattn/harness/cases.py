@@ -19,7 +19,17 @@ from .placement import Placement, as_cu_seqlens, check_fits, default_process_gro
 from .recompute import check_recompute
 
 __all__ = ["DECODE_LAYOUTS", "ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer",
-           "require_module_level"]
+           "require_linattn_config", "require_module_level"]
+
+
+def require_linattn_config(obj, what: str) -> None:
+    """ValueError unless `obj.config` is None or a `linattn.layers.LinearAttentionConfig` (what a
+    report reads sections and heads from; `what`: the layout the client's tensors follow)."""
+    from linattn.layers import LinearAttentionConfig
+
+    if obj.config is not None and not isinstance(obj.config, LinearAttentionConfig):
+        raise ValueError(f"{type(obj).__name__}.config must be a linattn.layers.LinearAttentionConfig (the layer's, "
+                         f"{what}) or None, got {type(obj.config).__name__}")
 
 
 def require_module_level(obj) -> None:

@@ -45,7 +45,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..parity import check_rtol
-from .cases import ParityCase, ShardedLayer, require_module_level
+from .cases import ParityCase, ShardedLayer, require_linattn_config, require_module_level
 from .checkpoint_rank import RankSave, save_on_rank
 from .checkpoint_report import Rows, row_table, shape_line, value_lines
 from .placement import Placement, as_cu_seqlens, positive_int
@@ -95,12 +95,7 @@ class CheckpointIO:
         if self.read is not None and not callable(self.read):
             raise ValueError(f"CheckpointIO.read must be callable (read(checkpoint) -> state dict) or None, "
                              f"got {self.read!r}")
-        if self.config is not None:
-            from linattn.layers import LinearAttentionConfig
-
-            if not isinstance(self.config, LinearAttentionConfig):
-                raise ValueError(f"CheckpointIO.config must be a linattn.layers.LinearAttentionConfig (the layer's, "
-                                 f"its parameters laid out as linattn's) or None, got {type(self.config).__name__}")
+        require_linattn_config(self, "its parameters laid out as linattn's")
         require_module_level(self)
 
 

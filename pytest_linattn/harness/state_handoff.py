@@ -35,7 +35,7 @@ import torch
 from linattn.checks import positive_int
 
 from ..parity import assert_parity, check_rtol
-from .cases import DECODE_LAYOUTS, ShardedLayer, require_module_level
+from .cases import DECODE_LAYOUTS, ShardedLayer, require_linattn_config, require_module_level
 from .continuation_report import field_names
 from .placement import Placement, as_cu_seqlens
 from .state_handoff_rank import RankDecode, RankPrefill, run_decode_on_rank, run_prefill_on_rank
@@ -91,12 +91,7 @@ class StateHandoffPath:
         if self.decode_layout not in DECODE_LAYOUTS:
             raise ValueError(f"StateHandoffPath.decode_layout must be one of {sorted(DECODE_LAYOUTS)}, "
                              f"got {self.decode_layout!r}")
-        if self.config is not None:
-            from linattn.layers import LinearAttentionConfig
-
-            if not isinstance(self.config, LinearAttentionConfig):
-                raise ValueError(f"StateHandoffPath.config must be a linattn.layers.LinearAttentionConfig (the "
-                                 f"layer's, its state in linattn's layout) or None, got {type(self.config).__name__}")
+        require_linattn_config(self, "its state in linattn's layout")
         require_module_level(self)
 
 
