@@ -53,6 +53,10 @@ with_pid=""
 if [ -n "${LINATTN_GPU_WITH:-}" ]; then
   timeout -k 20 "$BUDGET" bash -c "$LINATTN_GPU_WITH" > "$LOGS/with.log" 2>&1 & with_pid=$!
 fi
+# On a machine with fewer GPUs than gpu-4's ranks, every suite's ranks share GPUs already (the
+# staged transport); each suite then leases them through its own lock folder, so gpu-2's and
+# gpu-4's pools run side by side instead of taking turns (their compiles are most of their time).
+GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 declare -A files_of
 for f in "$@"; do suite=$(basename "$(dirname "$f")"); files_of[$suite]+="$f "; done
 pids=()
@@ -60,6 +64,8 @@ for suite in "${!files_of[@]}"; do
   visible=""; [ "$suite" = gpu-1 ] && visible=0
   # shellcheck disable=SC2086  # the file list splits on purpose
   ( [ -n "$visible" ] && export CUDA_VISIBLE_DEVICES=$visible
+    [ "$GPUS" -lt 4 ] && export PYTEST_LINATTN_LOCK_DIR=/tmp/linattn-gpu-locks-$suite
+    export LINATTN_COMPILE_LOG=$LOGS/$suite/compile  # the summary's per-file compile seconds
     timeout -s TERM -k 30 "$BUDGET" python3 -m pytest_linattn.rerun --ranks-per-gpu auto --out "$LOGS/$suite" ${files_of[$suite]} \
       > "$LOGS/$suite.log" 2>&1 ) &
   pids+=($!)

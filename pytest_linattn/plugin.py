@@ -48,6 +48,7 @@ import os
 
 import pytest
 
+from . import compile_log
 from . import options as _opts
 from . import quiet_exit  # noqa: F401  importing it registers its exit handler (Triton dropped by pytester)
 from . import size_selection
@@ -92,6 +93,7 @@ def pytest_configure(config):
     from .mutation.recorder import MARKER, MutationRecorder
 
     config.addinivalue_line("markers", MARKER)
+    compile_log.install()
     state = config.stash[_STATE] = SessionResources(config, option_value)
     config.pluginmanager.register(ParityRecorder(config), "linattn-parity-recorder")
     config.pluginmanager.register(FlaOnCpuReport(), "linattn-fla-on-cpu-report")  # header line; Triton's CPU error
@@ -347,3 +349,11 @@ def pytest_terminal_summary(terminalreporter, config):
         for line in state.size_notes:
             terminalreporter.write_line(line)
     # The parity table and the report's lines follow: ParityRecorder's summary.
+
+
+def pytest_runtest_logstart(nodeid, location):
+    compile_log.test_started(nodeid)  # no-op without LINATTN_COMPILE_LOG
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    compile_log.test_finished(nodeid)

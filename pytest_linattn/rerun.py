@@ -23,6 +23,7 @@ import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 
+from pytest_linattn import compile_log
 from pytest_linattn.ranks.gpus import gpu_count as visible_gpu_count
 from pytest_linattn.ranks.gpus import gpus_for, sharing_note
 from pytest_linattn.ranks.worker import set_parent_death_signal
@@ -306,6 +307,18 @@ def summary_markdown(results: list[SuiteResult]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_file_markdown(folder: str | None) -> str:
+    """Per test file, slowest first: its tests' time and the Triton compiles while they ran
+    (pytest_linattn.compile_log; empty without its folder)."""
+    rows = compile_log.per_file_seconds(folder) if folder and Path(folder).is_dir() else {}
+    if not rows:
+        return ""
+    lines = ["", "| file | tests | compiling | kernels compiled |", "|---|---:|---:|---:|"]
+    for file, row in sorted(rows.items(), key=lambda kv: -kv[1]["tests"]):
+        lines.append(f"| `{_cell(file)}` | {row['tests']:.1f} s | {row['compile']:.1f} s | {row['kernels']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
 def refusal_markdown(lines: list[str]) -> str:
     return f"### {COMMAND} refused\n\n" + "".join(f"- {line}\n" for line in lines)
 
@@ -375,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous_handler)
     if args.dry_run:
         return OK
-    text = summary_markdown(results)
+    text = summary_markdown(results) + per_file_markdown(os.environ.get(compile_log.ENV))
     summary.write_text(text, encoding="utf-8")
     print("\n" + text, end="", flush=True)
     return OK if all(r.ok for r in results) else FAILED

@@ -312,6 +312,9 @@ def rank_main(rank, world_size, device, backend, gpu, port, conn, parent_pid, us
     # SIGSEGV, SIGABRT, ...: the stack goes to the same file, so the parent can show it.
     faulthandler.enable(file=dump_file, all_threads=True)
     _sync_sys_path(sys_path)
+    from .. import compile_log
+
+    compile_log.install()  # LINATTN_COMPILE_LOG: this rank's Triton compiles, for the suite's summary
     try:
         from .. import autotune
 

@@ -314,7 +314,7 @@ def test_cancelled_run_summarises_what_finished(root):
 
 def test_repository_suites_toml():
     suites = load_suites(REPO)
-    assert list(suites) == ["cpu", "fla-interpret", "engines", "gpu-1", "gpu-2", "gpu-4", "bench"]
+    assert list(suites) == ["cpu", "fla-interpret", "engines", "gpu-1", "gpu-2", "gpu-4", "scale", "bench"]
     assert suites["cpu"].pytest_options()[:4] == ["--tp", "2,4", "--cp", "2,4"]
     assert (suites["gpu-2"].gpus, suites["gpu-2"].tp, suites["gpu-2"].cp) == (2, "2", "2")
     assert suites["gpu-4"].gpus == 4 and not suites["bench"].collect

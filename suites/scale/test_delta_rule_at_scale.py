@@ -1,0 +1,126 @@
+"""fla 0.6.0's delta-rule ops at production shapes and lengths, bf16, forward and backward, against
+the float64 reference computed in pieces on the same GPU (pytest_linattn.harness.scale): past the
+int32 boundary (the largest input holds more than 2**31 elements: fla #1080) and past 65,536 tokens
+(fla #906). Each case prints its shape, worst error, the op's time and peak memory, and the
+reference's time; a failure names each wrong tensor's first wrong (token, head) and its count of
+wrong rows. On a CPU the same check runs at small shapes (suites/cpu/plugin/test_scale.py).
+"""
+
+import pytest
+import torch
+
+from cases.gpu import BF16_RTOL, require_cuda_and_fla
+
+require_cuda_and_fla()
+
+from pytest_linattn.harness.scale import ScaleShape, assert_delta_rule_at_scale  # noqa: E402
+
+pytestmark = pytest.mark.gpus(1)
+
+PAST_INT32 = (1 << 19) + (1 << 12)  # 528,384 tokens: with 32 heads of 128, 2**31 + 2**24 elements
+CASES = [
+    # Qwen3.5-4B's linear attention (16 key heads, 32 value heads of 128): fla #1080's 524,288 tokens
+    ("chunk_gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_INT32, heads=16, v_heads=32)),
+    # Kimi Linear's KDA (32 heads of 128): q, k, v and g each past 2**31 elements
+    ("chunk_kda", ScaleShape("kimi-linear", PAST_INT32, heads=32, v_heads=32, per_channel_decay=True)),
+]
+
+
+def fla_op(name):
+    if name == "chunk_gated_delta_rule":
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
+    else:
+        from fla.ops.kda import chunk_kda as fn
+    return lambda q, k, v, g, beta: fn(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
+
+
+def test_rwkv7_gate_output_correction_past_65536_tokens():
+    """fla #906: the RWKV-7 output correction's kernel against its float64 formula on 131,172 tokens
+    (past 65,536), forward and backward; the first wrong token named."""
+    from fla.ops.rwkv7.gate_output_correction import gate_output_correction, gate_output_correction_ref
+
+    B, T, H, D = 1, (1 << 17) + 100, 32, 64
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    xs = [torch.randn(*s, generator=gen, device="cuda").bfloat16().requires_grad_()
+          for s in ((B, T, H * D), (B, T, H, D), (B, T, H, D), (H, D), (B, T, H, D), (B, T, H * D))]
+    d_out = torch.randn(B, T, H * D, generator=gen, device="cuda").bfloat16()
+    out = gate_output_correction(*xs)
+    out.backward(d_out)
+    ref_xs = [x.detach().double().requires_grad_() for x in xs]
+    ref = gate_output_correction_ref(*ref_xs)
+    ref.backward(d_out.double())
+    names = ["out"] + [f"d{n}" for n in ("o", "r", "k", "r_k", "v", "g")]
+    pairs = [(out, ref)] + [(x.grad, r.grad) for x, r in zip(xs, ref_xs)]
+    bad = []
+    for name, (a, r) in zip(names, pairs):
+        a = a.double()
+        err = float((a - r).norm() / r.norm())
+        if not err <= BF16_RTOL:
+            rows = (a - r).reshape(r.shape[0], -1).norm(dim=-1) if r.dim() == 2 else \
+                (a - r).reshape(B * T, -1).norm(dim=-1)
+            typical = float(r.reshape(rows.shape[0], -1).norm(dim=-1).mean())
+            first = int((rows > 0.25 * typical).nonzero()[0]) if (rows > 0.25 * typical).any() else None
+            bad.append(f"{name}: {err:.2e}, first wrong row {first}")
+        print(f"gate_output_correction {name}: {err:.2e}")
+    assert not bad, f"gate_output_correction at {T:,} tokens: " + "; ".join(bad)
+
+
+def test_short_conv_past_int32_matches_float64_pieces():
+    """The layers' short conv on fla's kernels at Qwen3.5-4B's conv width (q, k, v: 8192 channels)
+    over 528,384 tokens: 4.3e9 elements in x, past 2**31; forward and backward against the float64
+    reference piece by piece (a piece's outputs need the W-1 tokens before it; its inputs' gradient
+    the W-1 outputs after it)."""
+    from linattn import kernels
+    from linattn.reference import short_conv as reference
+
+    T, D, W, piece = PAST_INT32, 8192, 4, 1 << 15
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(1, T, D, generator=gen, device="cuda").bfloat16().requires_grad_()
+    weight = (torch.randn(D, W, generator=gen, device="cuda") / W).bfloat16().requires_grad_()
+    d_y = torch.randn(1, T, D, generator=gen, device="cuda").bfloat16()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    y = kernels.short_conv(x, weight)
+    y.backward(d_y)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() / 2**30
+    err2 = {"y": 0.0, "dx": 0.0}
+    ref2 = {"y": 0.0, "dx": 0.0}
+    first = {"y": None, "dx": None}
+    d_weight = torch.zeros(D, W, dtype=torch.float64, device="cuda")
+    w64 = weight.detach().double().requires_grad_()
+    for lo in range(0, T, piece):
+        hi = min(lo + piece, T)
+        start, stop = max(lo - (W - 1), 0), min(hi + W - 1, T)  # the window a piece's outputs and dx need
+        xw = x.detach()[:, start:stop].double().requires_grad_()
+        yw = reference(xw, w64)
+        own = slice(lo - start, hi - start)  # the piece's own tokens in the window
+        loss_own = (yw[:, own] * d_y[:, lo:hi].double()).sum()  # each output once: dweight
+        tail = (yw[:, hi - start:] * d_y[:, hi:stop].double()).sum()  # the outputs after the piece: dx
+        dx_w, dw = torch.autograd.grad(loss_own, (xw, w64), retain_graph=True)
+        dx_tail, = torch.autograd.grad(tail, xw, allow_unused=True) if stop > hi else (None,)
+        dx_ref = dx_w[:, own] + (dx_tail[:, own] if dx_tail is not None else 0)
+        d_weight += dw
+        for name, a, r in (("y", y.detach()[:, lo:hi], yw.detach()[:, own]), ("dx", x.grad[:, lo:hi], dx_ref)):
+            diff = a.double() - r
+            err2[name] += float(diff.square().sum())
+            ref2[name] += float(r.square().sum())
+            rows = diff.norm(dim=-1)[0]
+            bad = ~(rows <= 0.25 * r.norm(dim=-1)[0].mean())
+            if first[name] is None and bad.any():
+                first[name] = lo + int(bad.nonzero()[0])
+    errors = {n: (err2[n] / ref2[n]) ** 0.5 for n in err2}
+    errors["dweight"] = float((weight.grad.double() - d_weight).norm() / d_weight.norm())
+    print(f"short_conv 1x{T:,}x{D} (2^{(T * D).bit_length() - 1}+): " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items())
+          + f"; peak {peak:.1f} GiB")
+    assert all(e <= BF16_RTOL for e in errors.values()) and first == {"y": None, "dx": None}, (errors, first)
+
+
+@pytest.mark.parametrize("op_name, shape", CASES, ids=[f"{op}-{shape.name}" for op, shape in CASES])
+def test_fla_op_at_scale_matches_float64_pieces(op_name, shape):
+    assert shape.largest_offset > 2**31 and shape.tokens > 65_536
+    torch.cuda.empty_cache()
+    result = assert_delta_rule_at_scale(fla_op(op_name), shape, rtol=BF16_RTOL, dtype=torch.bfloat16,
+                                        device="cuda", seed=11, piece_tokens=1 << 15)
+    print(f"{op_name} {result.table_row()}; every tensor: "
+          + ", ".join(f"{n} {e:.2e}" for n, e in result.errors.items()))
