@@ -30,6 +30,7 @@ Fixtures:
                         and in every rank spawn runs (linattn.emulation.fla_on_cpu)
     fla_interpreted     fla's own kernels under Triton's interpreter, likewise (float32, slow)
     packed_seqlens      pytest_linattn.seqlens.packed_seqlens
+    fragment_seqlens    pytest_linattn.seqlens.fragment_seqlens (the named fragment tables)
     float64_reference   pytest_linattn.float64.float64_reference
 
 Markers: ``world_size(n)`` (the ranks a test needs: skipped on cuda without n GPUs),
@@ -320,6 +321,16 @@ def packed_seqlens():
     """``packed_seqlens(total_tokens, num_seqs=None, *, seed=None, min_len=1, cp_size=1,
     layout="contiguous")``: random cu_seqlens for a packed batch."""
     from .seqlens import packed_seqlens as fn
+
+    return fn
+
+
+@pytest.fixture
+def fragment_seqlens():
+    """``fragment_seqlens(name, cp_size, *, layout="contiguous", piece_tokens=8)``: the cu_seqlens of
+    a named fragment table (``pytest_linattn.seqlens.FRAGMENTS``: "uneven-pieces", "empty-document",
+    "document-per-rank")."""
+    from .seqlens import fragment_seqlens as fn
 
     return fn
 

@@ -23,7 +23,22 @@ implementation gets wrong (checked by `describe`):
   so a sequence crosses intervals held by different ranks and a boundary sits on an interval edge.
 
 Requests that cannot be met raise ValueError naming the parameter. `seed=None` means
-DEFAULT_SEED, so an unseeded call is reproducible too. This module imports no pytest.
+DEFAULT_SEED, so an unseeded call is reproducible too.
+
+`fragment_seqlens(name, cp_size, ...)` returns the named fragment tables CP implementations are
+checked on (FRAGMENTS): fixed, not random, each the one way documents fall on the ranks' pieces
+that a CP exchange gets wrong when it assumes otherwise:
+
+- "uneven-pieces": every document crosses a piece edge off its middle, so its two pieces differ
+  in length on every rank pair (rank r's last document keeps P - r tokens of it, P = T / cp);
+- "empty-document": zero-length documents in cu_seqlens (repeated boundaries) at the batch's
+  start, on a piece edge and at the end, between documents that cross the edges;
+- "document-per-rank": one whole document per rank, every boundary on a piece edge: nothing
+  crosses a rank, so a rank that takes state or a halo from its neighbour anyway shows.
+
+Contiguous layout (fla-zigzag: the same over its 2·cp_size intervals); the zigzag layout cuts every
+document into 2·cp_size equal chunks, so only "empty-document" (lengths multiples of 2·cp_size,
+zeros among them) is one of its tables. This module imports no pytest.
 """
 
 from __future__ import annotations
@@ -35,6 +50,11 @@ from linattn.checks import positive_int, validate_cu_seqlens
 
 DEFAULT_SEED = 20260
 LAYOUTS = ("contiguous", "zigzag", "fla-zigzag")
+FRAGMENTS = {
+    "uneven-pieces": "every document crosses a piece edge off its middle: its pieces on the two ranks differ in length",
+    "empty-document": "zero-length documents (repeated boundaries) at the start, on a piece edge and at the end",
+    "document-per-rank": "one whole document per rank: every boundary on a piece edge, nothing crosses a rank",
+}
 _TRIES = 48
 
 
@@ -252,3 +272,52 @@ def describe(cu_seqlens, cp_size: int = 1, layout: str = "contiguous") -> dict:
                boundary_inside_shard=cp_size > 1 and any(b % S for b in inner),
                max_shards_spanned=max(spans))
     return out
+
+
+def fragment_seqlens(name: str, cp_size: int, *, layout: str = "contiguous", piece_tokens: int = 8) -> torch.Tensor:
+    """The int32 cu_seqlens of fragment table `name` (FRAGMENTS) for `cp_size` ranks of
+    `piece_tokens` tokens each (T = cp_size * piece_tokens), in `layout` (module docstring).
+    With P the piece length (fla-zigzag: an interval, piece_tokens / 2) and S the pieces:
+
+    uneven-pieces      boundaries at r * (P + 1), r = 1 .. S-1 (needs P > S - 1)
+    empty-document     [0, 0, a, P, P, P + b, T, T] (a = P // 2 + 1, b = P // 3 + 1): empty documents
+                       first, on the first piece edge and last (zigzag: [0, 0, u, u, 3u, 3u, T, T]
+                       in units u = 2 * cp_size)
+    document-per-rank  [0, P, 2P, .., T]
+    """
+    if name not in FRAGMENTS:
+        raise ValueError(f"name must be one of {sorted(FRAGMENTS)}, got {name!r}")
+    cp_size = positive_int(cp_size, "cp_size")
+    piece_tokens = positive_int(piece_tokens, "piece_tokens")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+    T = cp_size * piece_tokens
+    if layout == "zigzag":
+        if name != "empty-document":
+            raise ValueError(f"name {name!r} is a table of contiguous pieces: the zigzag layout cuts every document "
+                             f"into 2*cp_size equal chunks over all ranks (its table is 'empty-document')")
+        u = 2 * cp_size
+        if T % u or T < 4 * u:
+            raise ValueError(f"piece_tokens={piece_tokens} must make T = cp_size * piece_tokens a multiple of "
+                             f"2*cp_size={u} of at least 4 of them (zigzag: every length a multiple of 2*cp_size)")
+        return torch.tensor([0, 0, u, u, 3 * u, 3 * u, T, T], dtype=torch.int32)
+    if layout == "fla-zigzag" and piece_tokens % 2:
+        raise ValueError(f"piece_tokens={piece_tokens} must be even for layout='fla-zigzag' (a rank's piece is two "
+                         f"intervals)")
+    S, P = (2 * cp_size, piece_tokens // 2) if layout == "fla-zigzag" else (cp_size, piece_tokens)
+    if name == "document-per-rank":
+        bounds = [r * P for r in range(S + 1)]
+    elif name == "uneven-pieces":
+        if S < 2:
+            raise ValueError(f"cp_size={cp_size}: uneven-pieces needs 2 pieces or more (a document crossing an edge)")
+        if P <= S - 1:
+            raise ValueError(f"piece_tokens={piece_tokens} too short: uneven-pieces needs pieces of more than "
+                             f"{S - 1} tokens (its boundaries sit at r * (P + 1)), layout={layout!r} gives {P}")
+        bounds = [0] + [r * (P + 1) for r in range(1, S)] + [T]
+    else:  # empty-document
+        if P < 3:
+            raise ValueError(f"piece_tokens={piece_tokens} too short: empty-document needs pieces of 3 tokens or more "
+                             f"(a document inside the first one), layout={layout!r} gives {P}")
+        a, b = P // 2 + 1, P // 3 + 1
+        bounds = [0, 0, a, P, P] + ([P + b, T, T] if S > 1 else [])
+    return torch.tensor(bounds, dtype=torch.int32)

@@ -20,12 +20,12 @@ import re
 # module -> the names documented: "__all__" for the module's own list
 API = {
     "pytest_linattn": "__all__",
-    "pytest_linattn.seqlens": ["packed_seqlens"],
+    "pytest_linattn.seqlens": ["packed_seqlens", "fragment_seqlens"],
     "pytest_linattn.float64": ["float64_reference"],
     "linattn.reference": "__all__",
     "linattn.emulation": ["fla_on_cpu", "fla_interpreted", "active_modes"],
     "linattn.layers": "__all__",
-    "linattn.parallel": ["new_groups"],
+    "linattn.parallel": ["new_groups", "new_pipeline_group"],
     "linattn.parallel.cp": ["cp_shard", "cp_unshard"],
     "linattn.selection": ["short_conv_backend", "kda_tilelang_setting", "gdn_route"],
 }

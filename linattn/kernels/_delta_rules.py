@@ -6,6 +6,11 @@ per-head gate broadcast over the key channels (GDN is KDA with a gate constant a
 `chunk_kda` for KDA. Shapes follow fla: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a
 multiple of H; g `[B, T, HV]` (GDN) or `[B, T, HV, K]` (KDA); beta `[B, T, HV]`;
 initial_state `[N, HV, K, V]`. Returns (o `[B, T, HV, V]` in q's dtype, final state or None).
+
+head_pairing (linattn.heads): which key head each value head reads. The references index it
+directly; fla's kernels know the grouped pairing only, so for a tiled layer on CUDA the value-head
+tensors (v, g, beta, the states, A_log and dt_bias of the in-kernel gate) move into grouped order
+before the kernel and its outputs back after it.
 """
 
 import torch
@@ -13,6 +18,7 @@ import torch.nn.functional as F
 
 from linattn import selection
 from linattn.checks import fail, require
+from linattn.heads import check_head_pairing, from_grouped, to_grouped
 
 from ._norm import at_least_float32
 
@@ -38,6 +44,7 @@ def gated_delta_rule(
     dt_bias: torch.Tensor | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     mode: str = "chunk",
+    head_pairing: str = "grouped",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """route None: for CUDA tensors `selection.gdn_route(needs_backward)`, else "gated_delta_rule".
 
@@ -47,13 +54,19 @@ def gated_delta_rule(
     float32 before the reference, on the "kda" route before the gate is broadcast.
 
     mode: "chunk" (the chunked form, every prefill) or "recurrent" (token by token, the decode
-    step's form; CPU tensors only for now).
+    step's form; CPU tensors only for now). head_pairing: the module docstring's.
     """
     if not (route is None or route in ROUTES):
         fail("route", f"must be None or one of {ROUTES}, got {route!r}")
     _check_mode(mode, q)
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=False)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, None, per_channel_gate=False)
+    check_head_pairing(head_pairing)
+    if head_pairing != "grouped" and q.is_cuda and v.shape[2] != q.shape[2]:
+        return _grouped_around(gated_delta_rule, q, k, v, g, beta, scale, initial_state, output_final_state,
+                               cu_seqlens, use_qk_l2norm, route=route, use_gate_in_kernel=use_gate_in_kernel,
+                               A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                               mode=mode, head_pairing=head_pairing)
     if route is None:
         needs_backward = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v, g, beta, A_log, dt_bias)
                                                           if t is not None)
@@ -65,11 +78,11 @@ def gated_delta_rule(
     if use_gate_in_kernel:
         g = log_decay(g, A_log, dt_bias)
     if route == "kda":
-        q, k, g = gdn_as_kda_inputs(q, k, v, g)
+        q, k, g = gdn_as_kda_inputs(q, k, v, g, head_pairing)
         return kda(q, k, v, g, beta, *args, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, mode=mode)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(at_least_float32(beta))
-    return _run_reference("gated_delta_rule", q, k, v, g, beta, *args, mode)
+    return _run_reference("gated_delta_rule", q, k, v, g, beta, *args, mode, head_pairing)
 
 
 def kda(
@@ -91,17 +104,26 @@ def kda(
     lower_bound: float | None = None,
     use_beta_sigmoid_in_kernel: bool = False,
     mode: str = "chunk",
+    head_pairing: str = "grouped",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """g is a per-channel log decay, or with use_gate_in_kernel the raw gate input, from which the
     kernel computes `-exp(A_log) * softplus(g + dt_bias)` or, with lower_bound,
     `lower_bound * sigmoid(exp(A_log) * (g + dt_bias))` (A_log `[HV]`, dt_bias `[HV * K]`);
     use_beta_sigmoid_in_kernel: beta holds logits. Both as fla's chunk_kda; on CPU tensors computed
-    in at least float32 before the reference. route: None or "kda" only. mode: as gated_delta_rule's."""
+    in at least float32 before the reference. route: None or "kda" only. mode, head_pairing: as
+    gated_delta_rule's."""
     if route not in (None, "kda"):
         fail("route", f"must be None or 'kda' for KDA, got {route!r}")
     _check_mode(mode, q)
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=True)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_channel_gate=True)
+    check_head_pairing(head_pairing)
+    if head_pairing != "grouped" and q.is_cuda and v.shape[2] != q.shape[2]:
+        return _grouped_around(kda, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                               use_qk_l2norm, route=route, use_gate_in_kernel=use_gate_in_kernel, A_log=A_log,
+                               dt_bias=dt_bias, lower_bound=lower_bound,
+                               use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel, mode=mode,
+                               head_pairing=head_pairing)
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
     if q.is_cuda:
         return _kda_fla(q, k, v, g, beta, *args, use_gate_in_kernel, A_log, dt_bias, lower_bound,
@@ -110,7 +132,7 @@ def kda(
         g = log_decay(g, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
         beta = torch.sigmoid(at_least_float32(beta))
-    return _run_reference("kda", q, k, v, g, beta, *args, mode)
+    return _run_reference("kda", q, k, v, g, beta, *args, mode, head_pairing)
 
 
 def log_decay(g: torch.Tensor, A_log: torch.Tensor | None, dt_bias: torch.Tensor | None = None,
@@ -152,14 +174,17 @@ def _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_
         fail("lower_bound", f"must be None or negative, got {lower_bound!r}")
 
 
-def gdn_as_kda_inputs(q, k, v, g):
+def gdn_as_kda_inputs(q, k, v, g, head_pairing="grouped"):
     """q, k repeated to HV heads and g broadcast to `[B, T, HV, K]`; autograd sums the gradients back.
 
     fla maps value head i to key head i // (HV // H) (e.g. fla/ops/kda/chunk_intra.py), so the
-    repeat is repeat_interleave, as fla/ops/kda/naive.py does.
+    repeat is repeat_interleave, as fla/ops/kda/naive.py does; a tiled pairing (i % H) repeats
+    the H key heads whole.
     """
     group = v.shape[2] // q.shape[2]
-    if group > 1:
+    if group > 1 and check_head_pairing(head_pairing) == "tiled":
+        q, k = q.repeat(1, 1, group, 1), k.repeat(1, 1, group, 1)
+    elif group > 1:
         q = q.repeat_interleave(group, dim=2)
         k = k.repeat_interleave(group, dim=2)
     g = g.unsqueeze(-1).expand(*g.shape, q.shape[-1]).contiguous()
@@ -206,7 +231,7 @@ def _check_mode(mode, q):
 
 
 def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-                   mode="chunk"):
+                   mode="chunk", head_pairing="grouped"):
     from linattn import reference
 
     # the reference computes in float32 or float64; half-precision inputs compute in float32
@@ -220,8 +245,27 @@ def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_stat
         use_qk_l2norm=use_qk_l2norm,
         compute_dtype=compute_dtype,
         mode=mode,
+        head_pairing=head_pairing,
     )
     return o.to(q.dtype), final_state
+
+
+def _grouped_around(entry, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
+                    *, head_pairing, A_log=None, dt_bias=None, **options):
+    """`entry` (gated_delta_rule or kda) on a layer whose value heads pair as `head_pairing`, run by
+    a kernel that knows the grouped pairing only: every value-head tensor moved into grouped order
+    before it, the output and the final state back after it (autograd carries the gradients)."""
+    H, HV = q.shape[2], v.shape[2]
+
+    def grouped(t, dim=2):
+        return None if t is None else to_grouped(t, H, HV, head_pairing, dim)
+
+    dt_bias = None if dt_bias is None else grouped(dt_bias.reshape(-1), 0)  # KDA's: HV blocks of K
+    o, final_state = entry(q, k, grouped(v), grouped(g), grouped(beta), scale, grouped(initial_state, 1),
+                           output_final_state, cu_seqlens, use_qk_l2norm, A_log=grouped(A_log, 0), dt_bias=dt_bias,
+                           head_pairing="grouped", **options)
+    o = from_grouped(o, H, HV, head_pairing, 2)
+    return o, (None if final_state is None else from_grouped(final_state, H, HV, head_pairing, 1))
 
 
 def _fla_state_args(q, initial_state, cu_seqlens):

@@ -37,7 +37,7 @@ from .config import FAMILIES, LinearAttentionConfig
 from .gated_deltanet import GatedDeltaNet
 from .kimi_delta_attention import KimiDeltaAttention
 from .state import LayerState, shard_layer_state, unshard_layer_state
-from .state_dict import ParameterLayout, parameter_layouts, shard_state_dict, unshard_state_dict
+from .state_dict import ParameterLayout, parameter_layouts, reorder_value_heads, shard_state_dict, unshard_state_dict
 
 __all__ = [
     "FAMILIES",
@@ -56,6 +56,7 @@ __all__ = [
     "parameter_layouts",
     "qwen3_5_to_qwen3_next",
     "qwen3_next_to_qwen3_5",
+    "reorder_value_heads",
     "shard_layer_state",
     "shard_state_dict",
     "to_fla_state_dict",

@@ -84,6 +84,15 @@ def _check_family(config, families, what: str = "config.family") -> None:
     require(config.family in families, what, f"must be one of {families} for this map, got {config.family!r}")
 
 
+def _check_grouped(config, what: str) -> None:
+    """ValueError unless config pairs its value heads as `what` does (grouped: fla's layers and
+    kernels, Megatron's GDN, transformers' modules)."""
+    require(config.head_pairing == "grouped" or config.num_v_heads == config.num_k_heads, "config.head_pairing",
+            f"must be 'grouped' for {what}, which pairs value head j with key head j // (num_v_heads / "
+            f"num_k_heads), got {config.head_pairing!r}: re-pair the weights first with "
+            f"reorder_value_heads(state_dict, config, 'grouped')")
+
+
 def qwen3_next_to_qwen3_5(state_dict, config: LinearAttentionConfig) -> dict[str, torch.Tensor]:
     """A qwen3_next layer's dict in the qwen3_5 layout (config: the qwen3_next layer's).
 
@@ -196,6 +205,7 @@ def config_from_fla_layer(layer) -> LinearAttentionConfig:
 
 def _fla_table(config):
     _check_family(config, ("qwen3_5", "kda"))
+    _check_grouped(config, "fla's layers")
     shapes = _project_shapes(config)
     if config.family == "qwen3_5":
         kd, vd, W = config.key_dim, config.value_dim, config.conv_size
@@ -273,6 +283,7 @@ def to_megatron_state_dict(state_dict, config: LinearAttentionConfig, *, tp_rank
     weights only: a gradient is the same in both parametrisations, convert it with False.
     """
     _check_family(config, GDN_FAMILIES)
+    _check_grouped(config, "megatron-core's GatedDeltaNet")
     if config.family == "qwen3_next":
         state_dict, config = qwen3_next_to_qwen3_5(state_dict, config), dataclasses.replace(config, family="qwen3_5")
     shard = shard_state_dict(state_dict, config, tp_rank, tp_size)
@@ -295,6 +306,7 @@ def from_megatron_state_dicts(shards, config: LinearAttentionConfig, *,
     unshard_state_dict does: reduce a replicated weight's gradient over TP before converting.
     """
     _check_family(config, GDN_FAMILIES)
+    _check_grouped(config, "megatron-core's GatedDeltaNet")
     if isinstance(shards, dict) or not isinstance(shards, (list, tuple)) or not shards:
         raise ValueError("shards must be a non-empty list of per-rank megatron dicts in TP rank order")
     target = config

@@ -314,25 +314,29 @@ class HeadShardedLinearAttention(nn.Module):
         q and k are L2-normalised inside the kernel, scale = dk ** -0.5 (HF, fla). Under CP the
         state of a sequence crossing a rank boundary is carried over (forward and backward).
         gate: the kernel entries' in-kernel gate and beta arguments (see `_fuses_gate`), without CP.
-        carry: the state in and out (its recurrent state and kernel mode), or None."""
+        carry: the state in and out (its recurrent state and kernel mode), or None.
+        Value head j reads the key head `config.head_pairing` names (`config.key_head_of(j)`)."""
         scale = self.config.head_k_dim ** -0.5
+        pairing = self.config.head_pairing
         if gate and cp_context is not None:
             raise ValueError("the in-kernel gate runs without CP only: compute g and beta before the CP op")
         if carry is not None:
             state = dict(initial_state=carry.initial_recurrent, output_final_state=True)
             if cp_context is not None:
                 o, carry.recurrent = cp.delta_rule(q, k, v, g, beta, op=self.config.op, scale=scale,
-                                                   use_qk_l2norm=True, cp_context=cp_context, **state)
+                                                   use_qk_l2norm=True, cp_context=cp_context, head_pairing=pairing,
+                                                   **state)
             else:
                 op = kernels.kda if self.config.op == "kda" else kernels.gated_delta_rule
                 o, carry.recurrent = op(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=True,
-                                        mode=carry.mode, **state, **gate)
+                                        mode=carry.mode, head_pairing=pairing, **state, **gate)
             return o
         if cp_context is not None:
             return cp.delta_rule(q, k, v, g, beta, op=self.config.op, scale=scale, use_qk_l2norm=True,
-                                 cp_context=cp_context)
+                                 cp_context=cp_context, head_pairing=pairing)
         op = kernels.kda if self.config.op == "kda" else kernels.gated_delta_rule
-        return op(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=True, **gate)[0]
+        return op(q, k, v, g, beta, scale=scale, cu_seqlens=cu_seqlens, use_qk_l2norm=True, head_pairing=pairing,
+                  **gate)[0]
 
     def _fuses_gate(self, x: torch.Tensor, cp_context) -> bool:
         """Whether the decay gate and the beta sigmoid run inside the recurrence kernel (fla's

@@ -12,11 +12,12 @@ from __future__ import annotations
 import dataclasses
 
 from linattn.checks import positive_int, require
+from linattn.heads import HEAD_PAIRINGS, check_head_pairing, key_head_of
 
 FAMILIES = ("qwen3_next", "qwen3_5", "kda")
 GDN_FAMILIES = ("qwen3_next", "qwen3_5")
 
-__all__ = ["FAMILIES", "GDN_FAMILIES", "LinearAttentionConfig"]
+__all__ = ["FAMILIES", "GDN_FAMILIES", "HEAD_PAIRINGS", "LinearAttentionConfig"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -24,8 +25,16 @@ class LinearAttentionConfig:
     """Sizes of one linear-attention layer (the replicated, unsharded layer).
 
     family: one of FAMILIES.
-    num_k_heads / num_v_heads: query-key heads and value heads; value head j reads key head
-        j // (num_v_heads // num_k_heads) (grouped value attention, as HF's repeat_interleave).
+    num_k_heads / num_v_heads: query-key heads and value heads (num_v_heads a multiple of
+        num_k_heads: grouped value attention).
+    head_pairing: which key head value head j reads when num_v_heads > num_k_heads (HEAD_PAIRINGS,
+        linattn.heads): "grouped" (the default), j // (num_v_heads // num_k_heads), the order of
+        every family's Hugging Face checkpoint (transformers' modules repeat q and k with
+        repeat_interleave), of fla's layers and kernels and of Megatron's GDN; or "tiled",
+        j % num_k_heads, the order llama.cpp's GGUF conversion gives Qwen3.5's value heads (ggml
+        broadcasts tiled). Every value-head tensor (v, z, b, a, A_log, dt_bias, the output
+        projection's columns, the recurrent state) is in that order; TP gives each rank the value
+        heads of its key heads under it. With num_v_heads == num_k_heads both are the identity.
     conv_size: width W of the causal depthwise short convolution on q, k and v.
     norm_eps: epsilon of the gated RMSNorm on the recurrence output.
     gate_lower_bound (kda only): None gives g = -exp(A_log) * softplus(f + dt_bias); a negative
@@ -44,6 +53,7 @@ class LinearAttentionConfig:
     norm_eps: float = 1e-6
     gate_lower_bound: float | None = None
     output_gate_rank: int | None = None
+    head_pairing: str = "grouped"
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -55,6 +65,7 @@ class LinearAttentionConfig:
                 f"num_v_heads must be a multiple of num_k_heads (grouped value attention), "
                 f"got num_v_heads={self.num_v_heads}, num_k_heads={self.num_k_heads}"
             )
+        check_head_pairing(self.head_pairing, "head_pairing")
         if not self.norm_eps > 0:
             raise ValueError(f"norm_eps must be positive, got {self.norm_eps!r}")
         if self.family != "kda" and (self.gate_lower_bound is not None or self.output_gate_rank is not None):
@@ -71,7 +82,8 @@ class LinearAttentionConfig:
         (and qwen3_5_moe; their text_config), kimi_linear, glm5_next (its text_config).
 
         Reads the head counts and dims, conv size, norm eps (rms_norm_eps: 1e-5 for Kimi and GLM),
-        GLM's gate lower bound (linear_lower_bound) and the KDA output gate's rank (head_dim). Raises
+        GLM's gate lower bound (linear_lower_bound) and the KDA output gate's rank (head_dim); the
+        head pairing is "grouped", as the checkpoints and transformers' modules pair heads. Raises
         ValueError for another model type or a field value the layers do not implement.
         """
         return _config_from_hf(config)
@@ -87,6 +99,10 @@ class LinearAttentionConfig:
     @property
     def v_heads_per_k_head(self) -> int:
         return self.num_v_heads // self.num_k_heads
+
+    def key_head_of(self, value_head: int) -> int:
+        """The key head value head `value_head` reads (`head_pairing`)."""
+        return key_head_of(value_head, self.num_k_heads, self.num_v_heads, self.head_pairing)
 
     @property
     def conv_dim(self) -> int:
@@ -119,9 +135,27 @@ class LinearAttentionConfig:
         self.check_tensor_parallel_size(tp_size)
         return max(1, tp_size // self.num_k_heads)
 
+    def value_heads_of_rank(self, tp_size: int, tp_rank: int) -> list[int]:
+        """The value heads TP rank `tp_rank` of `tp_size` holds, in its local order: those reading
+        its key heads (tiled: the rank's slots of each tile)."""
+        local, replicas = self.local(tp_size), self.key_head_replicas(tp_size)
+        require(isinstance(tp_rank, int) and 0 <= tp_rank < tp_size, "tp_rank",
+                f"must be an int in [0, {tp_size}), got {tp_rank!r}")
+        H, r, local_r = self.num_k_heads, self.v_heads_per_k_head, local.v_heads_per_k_head
+        key0, slot0 = tp_rank // replicas * local.num_k_heads, tp_rank % replicas * local_r
+        heads = []
+        for j in range(local.num_v_heads):
+            k, m = (j // local_r, j % local_r) if self.head_pairing == "grouped" else (j % local.num_k_heads,
+                                                                                      j // local.num_k_heads)
+            key, slot = key0 + k, slot0 + m
+            heads.append(key * r + slot if self.head_pairing == "grouped" else slot * H + key)
+        return heads
+
     def local(self, tp_size: int) -> "LinearAttentionConfig":
         """The config of one TP rank's shard: 1/tp_size of the value heads, and 1/tp_size of the
-        key heads (one key head when tp_size is beyond them)."""
+        key heads (one key head when tp_size is beyond them), paired as this config pairs them: a
+        rank holding key heads [a, b) holds the value heads that read them, in the same order
+        (tiled: the rank's r tiles of b - a heads)."""
         replicas = self.key_head_replicas(tp_size)
         return dataclasses.replace(
             self, num_k_heads=self.num_k_heads * replicas // tp_size, num_v_heads=self.num_v_heads // tp_size

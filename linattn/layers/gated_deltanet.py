@@ -10,7 +10,8 @@ Math, as HF's Qwen3NextGatedDeltaNet / Qwen3_5GatedDeltaNet (and fla's GatedDelt
     o                = RMSNorm(o) * norm.weight * silu(z)    (per value head, eps = norm_eps)
     y                = out_proj(o)
 
-Value head j reads key head j // (HV / H); the kernels take q, k with H heads and do the grouping.
+Value head j reads key head j // (HV / H), or j % H for config.head_pairing "tiled"; the kernels
+take q, k with H heads and do the pairing.
 """
 
 from __future__ import annotations

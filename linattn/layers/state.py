@@ -7,8 +7,9 @@
                float64 layer, float32 otherwise (fla's state dtype)
 
 TP gives rank i the state of its heads, as it gives it their weights (`state_dict`): the i-th
-rows of each conv block, the i-th contiguous group of value heads of the recurrent state; beyond
-the key heads the q and k conv channels of the rank's key head, as its replicas all hold them.
+rows of each conv block, the i-th contiguous group of value heads of the recurrent state (a
+tiled layer's: the value heads of the rank's key heads, `config.head_pairing`); beyond the key
+heads the q and k conv channels of the rank's key head, as its replicas all hold them.
 """
 
 from __future__ import annotations
@@ -30,9 +31,21 @@ class LayerState(NamedTuple):
     recurrent: torch.Tensor
 
 
+def _tiled(config: LinearAttentionConfig) -> tuple[int, ...]:
+    H, HV = config.num_k_heads, config.num_v_heads
+    return (H, HV) if config.head_pairing == "tiled" and HV > H else ()
+
+
 def _conv_layout(config: LinearAttentionConfig) -> ParameterLayout:
-    """The conv state's channels: [q | k | v] blocks, q and k of key heads."""
-    return ParameterLayout((), "row_blocks", (config.key_dim, config.key_dim, config.value_dim), (True, True, False))
+    """The conv state's channels: [q | k | v] blocks, q and k of key heads, v in the value heads'
+    head-pairing order (as the conv weight's)."""
+    return ParameterLayout((), "row_blocks", (config.key_dim, config.key_dim, config.value_dim), (True, True, False),
+                           tiled=_tiled(config))
+
+
+def _recurrent_layout(config: LinearAttentionConfig) -> ParameterLayout:
+    """The recurrent state's value heads (dim 1), in the config's head-pairing order."""
+    return ParameterLayout((), "rows", tiled=_tiled(config))
 
 
 def check_layer_state(state, config: LinearAttentionConfig, num_sequences: int, name: str = "state") -> LayerState:
@@ -57,7 +70,8 @@ def shard_layer_state(state, config: LinearAttentionConfig, tp_rank: int, tp_siz
         raise ValueError(f"tp_rank must be an int in [0, {tp_size}), got {tp_rank!r}")
     conv, recurrent = check_layer_state(state, config, _num_sequences(state))
     conv = shard_rows(conv, _conv_layout(config), tp_rank, tp_size, replicas, dim=1)
-    return LayerState(conv.contiguous(), recurrent.chunk(tp_size, dim=1)[tp_rank].contiguous())
+    recurrent = shard_rows(recurrent, _recurrent_layout(config), tp_rank, tp_size, replicas, dim=1)
+    return LayerState(conv.contiguous(), recurrent.contiguous())
 
 
 def unshard_layer_state(states, config: LinearAttentionConfig) -> LayerState:
@@ -67,7 +81,9 @@ def unshard_layer_state(states, config: LinearAttentionConfig) -> LayerState:
     local, replicas = config.local(len(states)), config.key_head_replicas(len(states))
     states = [check_layer_state(s, local, _num_sequences(s), f"states[{i}]") for i, s in enumerate(states)]
     conv = unshard_rows([s.conv for s in states], _conv_layout(config), _conv_layout(local), replicas, dim=1)
-    return LayerState(conv, torch.cat([s.recurrent for s in states], dim=1))
+    recurrent = unshard_rows([s.recurrent for s in states], _recurrent_layout(config), _recurrent_layout(local),
+                             replicas, dim=1)
+    return LayerState(conv, recurrent)
 
 
 def _num_sequences(state) -> int:

@@ -13,13 +13,16 @@ chunks), and only a short loop over the chunk index carries the state. Packed se
 scattered into a padded `[chunks, N, HV, 64, ...]` layout whose padding (k = v = 0, beta = 0,
 g = 0) leaves each state untouched.
 
-Value head j reads key head j // (HV // H), as fla groups heads for GVA.
+Value head j reads key head j // (HV // H), as fla groups heads for GVA (head_pairing="grouped");
+with head_pairing="tiled" it reads key head j % H (linattn.heads).
 """
 
 import math
 
 import torch
 from torch.autograd.function import once_differentiable
+
+from linattn.heads import check_head_pairing
 
 from linattn.checks import (
     require,
@@ -49,13 +52,15 @@ def gated_delta_rule(
     mode: str = "chunk",
     *,
     compute_dtype: torch.dtype = torch.float64,
+    head_pairing: str = "grouped",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """GDN: q, k `[B,T,H,K]`, v `[B,T,HV,V]`, g (log decay) and beta `[B,T,HV]`, states `[N,HV,K,V]`.
+    head_pairing: which key head each value head reads (linattn.heads.HEAD_PAIRINGS).
 
     Returns (o `[B,T,HV,V]`, final_state `[N,HV,K,V]` or None), both in compute_dtype.
     """
     return _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                       use_qk_l2norm, mode, compute_dtype, per_channel_decay=False)
+                       use_qk_l2norm, mode, compute_dtype, per_channel_decay=False, head_pairing=head_pairing)
 
 
 def kda(
@@ -72,10 +77,11 @@ def kda(
     mode: str = "chunk",
     *,
     compute_dtype: torch.dtype = torch.float64,
+    head_pairing: str = "grouped",
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """KDA: as gated_delta_rule but g (log decay per key channel) is `[B,T,HV,K]`."""
     return _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                       use_qk_l2norm, mode, compute_dtype, per_channel_decay=True)
+                       use_qk_l2norm, mode, compute_dtype, per_channel_decay=True, head_pairing=head_pairing)
 
 
 def l2norm(x: torch.Tensor) -> torch.Tensor:
@@ -84,11 +90,12 @@ def l2norm(x: torch.Tensor) -> torch.Tensor:
 
 
 def _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                use_qk_l2norm, mode, compute_dtype, per_channel_decay):
+                use_qk_l2norm, mode, compute_dtype, per_channel_decay, head_pairing="grouped"):
     for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
         validate_floating(x, name)
     validate_compute_dtype(compute_dtype)
     require(mode in MODES, "mode", f"must be one of {MODES}, got {mode!r}")
+    check_head_pairing(head_pairing)
     require(q.dim() == 4, "q", f"must be [B, T, H, K], got shape {tuple(q.shape)}")
     B, T, H, K = q.shape
     validate_shape(k, (B, T, H, K), "k")
@@ -110,10 +117,14 @@ def _delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state, cu_s
     q, k, v, g, beta = (x.to(**cast) for x in (q, k, v, g, beta))
     if use_qk_l2norm:
         q, k = l2norm(q), l2norm(k)
-    # flatten the batch into one token stream [B*T, HV, ...]; key heads expanded to value heads
+    # flatten the batch into one token stream [B*T, HV, ...]; key heads expanded to value heads:
+    # each key head's G copies side by side (grouped: j // G) or the H key heads G times (tiled: j % H)
     G = HV // H
-    q = (q * scale).repeat_interleave(G, dim=2).flatten(0, 1)
-    k = k.repeat_interleave(G, dim=2).flatten(0, 1)
+    if head_pairing == "grouped":
+        q, k = (q * scale).repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
+    else:
+        q, k = (q * scale).repeat(1, 1, G, 1), k.repeat(1, 1, G, 1)
+    q, k = q.flatten(0, 1), k.flatten(0, 1)
     v = v.flatten(0, 1)
     g = (g if per_channel_decay else g.unsqueeze(-1)).flatten(0, 1)  # [B*T, HV, K or 1]
     beta = beta.flatten(0, 1)

@@ -21,9 +21,12 @@ pytest:
                          freed and reused slots (`StatePoolPath`, `assert_state_pool_parity`)
     state_pool_rank      ... and what each rank runs
     state_pool_report    ... its comparisons and reports
+    pool_modes           ... its serving options: block tables and per-group hits, mixed prefill and
+                         decode rows in one call, admissions and rejected loads
     spec_decode          verify calls of K drafts accepting j of them, against the serial run
                          (`SpecDecodePath`, `SpecPlan`, `assert_spec_decode_parity`)
     spec_decode_rank     ... and what each rank runs
+    spec_blocks          ... blocks at block boundaries (prefix caching with speculative decoding)
     padded               padded batches `[B, T, hidden]` with an attention mask, left or right
                          padded, cut into calls (`PaddedStatePath`, `assert_padded_continuation_parity`)
     padded_rank          ... and what each rank runs
@@ -46,17 +49,26 @@ pytest:
                          (`CheckpointIO`, `assert_checkpoint_round_trip`)
     checkpoint_report    ... its per-section comparisons and words
     checkpoint_rank      ... and what each rank runs
+    pipeline             a stack of layers split into pipeline stages (Placement.pp) over point-to-point
+                         hand-offs, TP and CP inside each stage: forward and backward, and the decode
+                         path with per-layer caches (`PipelineStack`, `assert_pipeline_parity`,
+                         `assert_pipeline_decode_parity`), every report naming the stage and the layer
+    pipeline_report      ... its comparisons and words
+    pipeline_rank        ... and what each rank runs
 """
 
 from .batch_invariance import assert_batch_invariance
-from .cases import ParityCase, ShardedLayer, StatePath, TrainingStep
+from .cases import ParityCase, PipelineStack, ShardedLayer, StatePath, TrainingStep
 from .checkpoint import CheckpointIO, assert_checkpoint_round_trip
 from .continuation import SequencePlan, StateInvisibleWarning, assert_continuation_parity, plan_cuts
 from .fresh_init import assert_fresh_init_is_finite
+from .head_pairing import assert_head_pairing
 from .isolation import PackedDocuments, assert_document_isolation
 from .long_decode import assert_long_decode_parity, long_decode_errors
 from .padded import PaddedStatePath, assert_padded_continuation_parity
+from .pipeline import assert_pipeline_decode_parity, assert_pipeline_parity
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
+from .shared_process import assert_layers_share_a_process
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
 from .spec_decode import SpecDecodePath, SpecPlan, assert_spec_decode_parity
 from .state_handoff import StateHandoffPath, assert_state_handoff_parity
@@ -69,6 +81,8 @@ __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer",
            "long_decode_errors", "PackedDocuments", "assert_document_isolation", "StateHandoffPath",
            "assert_state_handoff_parity",
            "CheckpointIO", "assert_checkpoint_round_trip",
-           "assert_batch_invariance", "assert_fresh_init_is_finite",
+           "PipelineStack", "assert_pipeline_parity", "assert_pipeline_decode_parity",
+           "assert_batch_invariance", "assert_fresh_init_is_finite", "assert_head_pairing",
+           "assert_layers_share_a_process",
            "TrainingStep", "assert_continuation_parity", "assert_parity_cases", "assert_sharded_parity",
            "assert_training_parity", "default_process_groups", "plan_cuts", "rank_token_index"]

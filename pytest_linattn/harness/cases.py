@@ -1,6 +1,7 @@
 """What a client gives the harness: its sharded layer (`ShardedLayer`), the cases to check
-(`ParityCase`), the trainer around the layer (`TrainingStep`) and how the layer carries state
-from call to call (`StatePath`). All are checked when made, so bad input fails before any rank runs. This module
+(`ParityCase`), the trainer around the layer (`TrainingStep`), how the layer carries state
+from call to call (`StatePath`) and a stack of layers split into pipeline stages
+(`PipelineStack`). All are checked when made, so bad input fails before any rank runs. This module
 imports no pytest."""
 
 from __future__ import annotations
@@ -15,11 +16,11 @@ import torch
 from linattn.checks import positive_int
 
 from ..parity import check_rtol
-from .placement import Placement, as_cu_seqlens, check_fits, default_process_groups
+from .placement import Placement, as_cu_seqlens, check_fits, check_one_stage, default_process_groups
 from .recompute import check_recompute
 
-__all__ = ["DECODE_LAYOUTS", "ParityCase", "ShardedLayer", "StatePath", "TrainingStep", "default_optimizer",
-           "require_linattn_config", "require_module_level"]
+__all__ = ["DECODE_LAYOUTS", "ParityCase", "PipelineStack", "ShardedLayer", "StatePath", "TrainingStep",
+           "default_optimizer", "require_linattn_config", "require_module_level"]
 
 
 def require_linattn_config(obj, what: str) -> None:
@@ -175,6 +176,7 @@ class ParityCase:
         if self.dy.shape != self.x.shape:
             raise ValueError(f"ParityCase.dy must have x's shape {tuple(self.x.shape)}, got {tuple(self.dy.shape)}")
         check_fits([int(b) for b in cu.tolist()], self.placement, padded_ok=True)
+        check_one_stage(self.placement, "the parity harness (ParityCase)")
         if not self.name:
             object.__setattr__(self, "name", self.placement.name)
 
@@ -291,4 +293,75 @@ class StatePath:
                 raise ValueError(f"StatePath.{field} must be a bool, got {getattr(self, field)!r}")
         if (self.shard_state is None) != (self.unshard_state is None):
             raise ValueError("StatePath.shard_state and unshard_state are given together (or neither: tp = 1 only)")
+        require_module_level(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineStack:
+    """A client's stack of `num_layers` layers split into pipeline stages by contiguous layer
+    ranges (`pipeline.stage_layers`), for `assert_pipeline_parity` (forward and backward) and
+    `assert_pipeline_decode_parity` (prefill, then decode steps with per-layer caches). Callables
+    module-level (pickled by reference to the ranks); None means the default.
+
+    The replicated stack (the reference) names layer i's parameters `layers.{i}.<name>`; the
+    harness runs the stages in order, handing each stage's output to the next one
+    (`linattn.parallel.pipeline`), and the gradient back.
+
+    build(placement, groups, layers, dtype, device) -> nn.Module
+        On every rank of a stage: the stage's module, holding the stack's layers `layers` (a range
+        of global layer indices); its parameters are overwritten by `shard`'s.
+    shard(full_state_dict, placement, tp_rank, layers) -> dict
+        The stage's parameters for its TP rank (the built module's names, exactly those) from the
+        replicated stack's weights.
+    unshard(grads_in_tp_rank_order, placement, layers) -> dict
+        The replicated stack's gradients of the stage's layers (reference names), from its TP
+        ranks' (each summed over CP). Also given the TP ranks' shards of the weights.
+    replicated: names of a stage module's parameters every TP rank holds whole.
+    process_groups(placement) -> groups: collective, on every rank; default `default_process_groups`
+        (TP and CP groups inside each stage).
+    forward(module, x_local, cu_seqlens, placement) -> y_local: default `module(x_local, cu_seqlens)`.
+    prefill(module, x_local, cu_seqlens, placement) -> y_local
+        The decode check's first call: every sequence's prompt, packed, from empty caches; the
+        stage keeps its layers' caches. Default `module.prefill(x_local, cu_seqlens)`.
+    decode(module, x, sequences, placement) -> y
+        One decode step: x `[1, N, hidden]`, the next token of each sequence in `sequences` (the
+        batch's rows, in order; it changes as sequences finish), whole on every rank. Default
+        `module.decode(x, sequences)`.
+    caches(module, placement) -> {layer index: state}
+        The stage's caches after the last call, keyed by global layer index: each a tuple of
+        tensors (the reference layer's final-state fields), one row per sequence in sequence order,
+        this TP rank's heads. Default `module.caches()`.
+    unshard_state(states, placement) -> state
+        The replicated layer's state from the TP ranks' (TP rank order). Needed for tp > 1 in the
+        decode check.
+    describe_grad_element(name, index, placement) -> str | None
+        For a failing gradient: where element `index` of the reference's parameter `name` lies, in
+        the layer's words (as `ShardedLayer.describe_grad_element`); None: row/col or multi-index.
+    """
+
+    num_layers: int
+    build: Callable
+    shard: Callable
+    unshard: Callable
+    replicated: Collection[str] = frozenset()
+    process_groups: Callable = default_process_groups
+    forward: Callable | None = None
+    prefill: Callable | None = None
+    decode: Callable | None = None
+    caches: Callable | None = None
+    unshard_state: Callable | None = None
+    describe_grad_element: Callable | None = None
+
+    def __post_init__(self):
+        positive_int(self.num_layers, "PipelineStack.num_layers")
+        for field in ("build", "shard", "unshard", "process_groups"):
+            if not callable(getattr(self, field)):
+                raise ValueError(f"PipelineStack.{field} must be callable, got {getattr(self, field)!r}")
+        for field in ("forward", "prefill", "decode", "caches", "unshard_state", "describe_grad_element"):
+            if getattr(self, field) is not None and not callable(getattr(self, field)):
+                raise ValueError(f"PipelineStack.{field} must be callable or None, got {getattr(self, field)!r}")
+        if isinstance(self.replicated, str) or not all(isinstance(n, str) for n in self.replicated):
+            raise ValueError(f"PipelineStack.replicated must be a collection of parameter names, got "
+                             f"{self.replicated!r}")
+        object.__setattr__(self, "replicated", frozenset(self.replicated))
         require_module_level(self)

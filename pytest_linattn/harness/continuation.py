@@ -50,7 +50,7 @@ from .cases import StatePath
 from .continuation_plans import SequencePlan, plan_cuts, schedule
 from .continuation_rank import RankContinuation, run_continuation_on_rank
 from .continuation_report import check_placement, field_names
-from .placement import Placement, as_cu_seqlens
+from .placement import Placement, as_cu_seqlens, check_one_stage
 
 __all__ = ["SequencePlan", "StateInvisibleWarning", "assert_continuation_parity", "plan_cuts"]
 
@@ -99,6 +99,7 @@ def assert_continuation_parity(spawn, path: StatePath, reference: torch.nn.Modul
     if not placements or not all(isinstance(p, Placement) for p in placements):
         raise ValueError("placements must be a non-empty sequence of Placement")
     for p in placements:
+        check_one_stage(p, "the continuation check")
         if p.cp_layout != "contiguous" or p.sequence_parallel:
             raise ValueError(f"placement {p.name}: the continuation check runs contiguous CP without sequence parallel")
         if p.tp > 1 and path.shard_state is None:

@@ -26,7 +26,7 @@ from ..parity import check_rtol
 from .cases import StatePath
 from .continuation_rank import decode_in_layout, default_decode, default_prefill
 from .continuation_report import field_names
-from .placement import Placement
+from .placement import Placement, check_one_stage
 from .sharded_parity_rank import load_shard, run_device
 from .spec_decode import serial_run
 
@@ -171,6 +171,7 @@ def _check_placements(path, placements):
                                  for p in placements):
         raise ValueError(f"placements must be a non-empty sequence of TP-only Placements, got {placements!r}")
     for p in placements:
+        check_one_stage(p, "the long-decode check")
         if p.tp > 1 and path.unshard_state is None:
             raise ValueError(f"placement {p.name}: tp > 1 needs StatePath.shard_state and unshard_state")
 

@@ -2,6 +2,10 @@
 
 Ranks: global rank = tp_rank + tp * (cp_rank + cp * dp_rank) (Megatron's order, as
 `linattn.parallel.new_groups`); a client that makes its own groups must lay them out the same way.
+A pipeline of pp stages (the pipeline checks, `harness.pipeline`) puts the stage outermost:
+global rank = tp_rank + tp * (cp_rank + cp * stage), every stage holding the same tokens on its
+(tp_rank, cp_rank) as every other stage (`linattn.parallel.new_pipeline_group`); the checks of
+one layer take pp = 1 only (`check_one_stage`).
 
 Token layout (computed here from this definition, not by the library under test, so a layout
 bug shared by a layer and its helpers still shows). T = cu_seqlens[-1]:
@@ -52,22 +56,25 @@ LAYOUT_WORDS = {
                      "cu_seqlens_padded",
 }
 
-__all__ = ["LAYOUTS", "LAYOUT_WORDS", "PADDED_LAYOUTS", "Placement", "as_cu_seqlens", "check_fits",
+__all__ = ["LAYOUTS", "LAYOUT_WORDS", "PADDED_LAYOUTS", "Placement", "as_cu_seqlens", "check_fits", "check_one_stage",
            "default_process_groups", "padded_batch", "padded_cu_seqlens", "rank_token_index", "real_positions"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Placement:
-    """Where a sharded layer runs: TP size, CP size and layout, sequence parallel on/off."""
+    """Where a sharded layer runs: TP size, CP size and layout, sequence parallel on/off, and the
+    pipeline stages a stack of layers is split into (pp; 1 for one layer)."""
 
     tp: int = 1
     cp: int = 1
     cp_layout: str = "contiguous"
     sequence_parallel: bool = False
+    pp: int = 1
 
     def __post_init__(self):
         positive_int(self.tp, "Placement.tp")
         positive_int(self.cp, "Placement.cp")
+        positive_int(self.pp, "Placement.pp")
         if self.cp_layout not in LAYOUTS:
             raise ValueError(f"Placement.cp_layout must be one of {LAYOUTS}, got {self.cp_layout!r}")
         if not isinstance(self.sequence_parallel, bool):
@@ -77,17 +84,19 @@ class Placement:
 
     @property
     def size(self) -> int:
-        """Ranks one copy of the layer spans: tp * cp."""
-        return self.tp * self.cp
+        """Ranks one copy of the layer (of the stack, with pp > 1) spans: tp * cp * pp."""
+        return self.tp * self.cp * self.pp
 
     @property
     def name(self) -> str:
-        """`tp2-sp/cp2-zigzag`, `tp4`, `cp2-contiguous`; `replicated` for one rank."""
+        """`tp2-sp/cp2-zigzag`, `tp4`, `cp2-contiguous`, `tp2/pp2`; `replicated` for one rank."""
         parts = []
         if self.tp > 1:
             parts.append(f"tp{self.tp}" + ("-sp" if self.sequence_parallel else ""))
         if self.cp > 1:
             parts.append(f"cp{self.cp}-{self.cp_layout}")
+        if self.pp > 1:
+            parts.append(f"pp{self.pp}")
         return "/".join(parts) or "replicated"
 
     def __str__(self) -> str:
@@ -110,8 +119,19 @@ class Placement:
         return {"contiguous": "contiguous", "fla-zigzag": "zigzag"}[self.cp_layout]
 
 
+def check_one_stage(placement: Placement, check: str) -> None:
+    """ValueError unless `placement` is one pipeline stage (pp = 1): `check` runs one layer on
+    every rank; a stack split into stages has checks of its own."""
+    __tracebackhide__ = True
+    if placement.pp != 1:
+        raise ValueError(f"Placement.pp must be 1 for {check}, which runs one layer on every rank; got "
+                         f"{placement.name}: a stack split into pipeline stages is checked by assert_pipeline_parity "
+                         "and assert_pipeline_decode_parity")
+
+
 def default_process_groups(placement: Placement):
-    """(tp_group, cp_group) of this rank from `linattn.parallel.new_groups` (None for a size of 1)."""
+    """(tp_group, cp_group) of this rank from `linattn.parallel.new_groups` (None for a size of 1);
+    with pp > 1 the groups inside this rank's stage (the stages are outermost)."""
     from linattn.parallel import new_groups
 
     return new_groups(placement.tp, placement.cp)

@@ -14,7 +14,7 @@ import torch
 from linattn.checks import positive_int
 
 from .continuation_plans import cp_filler
-from .placement import Placement
+from .placement import Placement, check_one_stage
 from .state_pool_rank import PoolCall
 
 __all__ = ["CAPTURE_SIZES", "FREE_FILL", "PAD_TARGETS", "SENTINEL", "check_hits_served", "check_pool_placements",
@@ -56,6 +56,7 @@ def check_pool_placements(placements, path, mode: str, state_fields=("shard_stat
     for p in placements:
         if not isinstance(p, Placement):
             raise ValueError(f"placements must be Placements, got {p!r}")
+        check_one_stage(p, mode)
         if p.sequence_parallel or (p.cp > 1 and p.cp_layout != "contiguous"):
             raise ValueError(f"placements: {mode} runs TP, CP in the contiguous layout (each prefill call cut in "
                              f"contiguous pieces over the CP ranks) and TP x CP, without sequence parallel; got "
@@ -115,7 +116,8 @@ def describe_fillers(calls) -> str:
 
 
 def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CAPTURE_SIZES, block_size=None,
-                  prefix_hits=None, *, padding_slot=None, reserved_slots=(), inner_snapshots=False) -> list[PoolCall]:
+                  prefix_hits=None, *, padding_slot=None, reserved_slots=(), inner_snapshots=False, block_tables=False,
+                  group_hits=None, mixed_calls=False, admission=False, rejected_hits=None) -> list[PoolCall]:
     """The calls in order (module docstring): each step one prefill call, then one padded decode
     call. The pool's slots 0..P-1 less `reserved_slots` are the sequences' (the lowest free one
     first); a reserved slot is never given to a sequence. Padding rows point at `padding_slot`:
@@ -125,14 +127,16 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
     waits for the snapshot it starts from (ValueError naming prefix_hits where no call writes it).
     `inner_snapshots` (prefix mode): also a snapshot slot per block boundary strictly inside a
     chunk, in token order (the call's `inner_snapshot_slots` and `inner_snapshot_offsets`);
-    ValueError where no chunk crosses one (the option would check nothing)."""
+    ValueError where no chunk crosses one (the option would check nothing). The options of
+    `pool_modes` (block tables, per-group hit lengths, mixed calls, admissions and rejected loads)
+    as its docstring says."""
     if inner_snapshots and not block_size:
         raise ValueError("inner_snapshots needs block_size (snapshots at the block boundaries inside a chunk)")
     waiting, live, done = list(range(len(plans))), {}, {}
     free = [s for s in range(P) if s not in reserved_slots]
     progress = {n: 0 for n in range(len(plans))}  # work items done: chunks, then decode tokens
     calls, pads = [], 0
-    hits = prefix_hits or {}
+    hits, groups, rejected = prefix_hits or {}, group_hits or {}, rejected_hits or {}
     restored = {n: hits[n][1] if n in hits else 0 for n in range(len(plans))}  # tokens a hit does not compute
     blocks = {}  # (sequence, token) -> its snapshot's slot
 
@@ -142,12 +146,20 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
             live[n] = free.pop(0)
             free.sort()
 
+    def ready(n):  # a prefix hit (or a rejected load) waits for the snapshots it reads
+        needs = [tuple(hits[n])] if n in hits else [tuple(rejected[n])] if n in rejected else []
+        if n in groups:
+            needs.append((hits[n][0], groups[n]))
+        return progress[n] > 0 or all(b in blocks for b in needs)
+
     admit()
     while live:
-        prefill = [n for n in sorted(live) if progress[n] < len(plans[n].chunks)
-                   and (progress[n] or n not in hits or tuple(hits[n]) in blocks)]
+        prefill = [n for n in sorted(live) if progress[n] < len(plans[n].chunks) and ready(n)]
+        decoding = [n for n in sorted(live) if n not in prefill
+                    and len(plans[n].chunks) <= progress[n] < len(plans[n].chunks) + plans[n].decode]
+        mixed = decoding if mixed_calls and prefill else []  # decode rows in the prefill call, after its rows
         if prefill:
-            tokens, lengths, snapshot, prefix, inner = [], [], [], [], []
+            tokens, lengths, snapshot, prefix, inner, table, computed = [], [], [], [], [], [], []
             taken = {slot: key for key, slot in blocks.items()}
             for n in prefill:
                 k = progress[n]
@@ -156,6 +168,9 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
                 tokens.append(torch.arange(bounds[n] + start, bounds[n] + end))
                 lengths.append(plans[n].chunks[k])
                 prefix.append(blocks[tuple(hits[n])] if k == 0 and n in hits else -1)
+                computed.append(start)
+                table.append(block_table_row(blocks, hits[n][0], groups.get(n, hits[n][1]), block_size)
+                             if k == 0 and n in hits and block_tables else [])
                 inner.append([])
                 if inner_snapshots:  # the block boundaries strictly inside the chunk, in order
                     for b in range(start - start % block_size + block_size, end, block_size):
@@ -164,18 +179,38 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
                 snapshot.append(-1)
                 if block_size and end % block_size == 0:
                     snapshot[-1] = blocks[(n, end)] = P + len(blocks)
+            for n in mixed:  # a decode row: the sequence's next token, from its slot
+                t = restored[n] + sum(plans[n].chunks) + progress[n] - len(plans[n].chunks)
+                tokens.append(torch.tensor([bounds[n] + t]))
+                lengths.append(1)
+                prefix.append(-1)
+                snapshot.append(-1)
+                computed.append(t)
+                table.append([])
+                inner.append([])
+            rows = prefill + mixed
             width = max(map(len, inner))
-            rows = [row + [(-1, -1)] * (width - len(row)) for row in inner]
-            calls.append(PoolCall("prefill", tuple(prefill), tuple(live[n] for n in prefill), torch.cat(tokens),
+            padded = [row + [(-1, -1)] * (width - len(row)) for row in inner]
+            options = {}
+            if inner_snapshots:
+                options.update(inner_snapshot_slots=tuple(tuple(s for s, _ in r) for r in padded),
+                               inner_snapshot_offsets=tuple(tuple(o for _, o in r) for r in padded))
+            if block_tables:
+                columns = max(1, max(map(len, table)))
+                options.update(block_table=tuple(tuple(r) + (-1,) * (columns - len(r)) for r in table),
+                               num_computed=tuple(computed))
+            if mixed_calls:
+                options.update(decode_rows=tuple(n in mixed for n in rows))
+            if admission:  # each sequence's first call admits it: the snapshot its admission loads, whether it does
+                options.update(admission=tuple(
+                    (k, blocks[tuple(hits[n])] if n in hits else blocks[tuple(rejected[n])] if n in rejected else -1,
+                     n not in rejected) for k, n in enumerate(prefill) if progress[n] == 0))
+            calls.append(PoolCall("prefill", tuple(rows), tuple(live[n] for n in rows), torch.cat(tokens),
                                   torch.tensor([0] + lengths).cumsum(0).to(torch.int32),
-                                  tuple(progress[n] == 0 and n not in hits for n in prefill), len(prefill), None,
-                                  dict(live), *((tuple(snapshot), tuple(prefix), taken) if block_size else ()),
-                                  **(dict(inner_snapshot_slots=tuple(tuple(s for s, _ in r) for r in rows),
-                                          inner_snapshot_offsets=tuple(tuple(o for _, o in r) for r in rows))
-                                     if inner_snapshots else {})))
-        decoding = [n for n in sorted(live) if n not in prefill
-                    and len(plans[n].chunks) <= progress[n] < len(plans[n].chunks) + plans[n].decode]
-        if decoding:
+                                  tuple(progress[n] == 0 and n not in hits and n not in mixed for n in rows),
+                                  len(rows), None, dict(live),
+                                  *((tuple(snapshot), tuple(prefix), taken) if block_size else ()), **options))
+        if decoding and not mixed:
             size = next((c for c in capture_sizes if c >= len(decoding)), len(decoding))
             slots = [live[n] for n in decoding]
             for _ in range(size - len(decoding)):
@@ -198,9 +233,11 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
                                   dict(live)))
         if not prefill and not decoding:  # every live sequence a hit waiting for a snapshot no call writes
             n = min(live)
-            m, t = hits[n]
-            raise ValueError(f"prefix_hits[{n}] = ({m}, {t}): sequence {n} waits for the snapshot of sequence {m} at "
-                             f"token {t}, which no prefill call writes (sequence {m}'s snapshots: tokens "
+            m, t = hits[n] if n in hits else rejected[n]
+            raise ValueError(f"{'prefix_hits' if n in hits else 'rejected_hits'}[{n}] = ({m}, {t}): sequence {n} "
+                             f"waits for the snapshot of sequence {m} at token {t}"
+                             + (f" (and at token {groups[n]}, group_hits)" if n in groups else "")
+                             + f", which no prefill call writes (sequence {m}'s snapshots: tokens "
                              f"{sorted(b for s, b in blocks if s == m)}); a hit starts from a snapshot an earlier "
                              f"call wrote")
         for n in prefill + decoding:
@@ -215,7 +252,17 @@ def pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes=CA
         raise ValueError(f"inner_snapshots: no prefill chunk of these plans crosses a multiple of block_size "
                          f"{block_size} strictly inside it (every chunk: {[list(pl.chunks) for pl in plans]}), so the "
                          f"option checks nothing here; give a chunk that crosses a block boundary, or leave it off")
+    if mixed_calls and not any(c.decode_rows and any(c.decode_rows) and not all(c.decode_rows) for c in calls):
+        raise ValueError(f"StatePoolPath.mixed_calls: no prefill call of these plans runs beside a decode row (every "
+                         f"plan: {[str(pl) for pl in plans]}), so the option checks nothing here; give a sequence "
+                         f"that decodes while another prefills, or leave it off")
     return calls
+
+
+def block_table_row(blocks, m, cached, block_size) -> list[int]:
+    """A prefix hit's block table (block-table mode): the slots of sequence m's snapshots at every
+    block boundary up to `cached` tokens (the layer group's own hit length), -1 where m took none."""
+    return [blocks.get((m, block_size * (i + 1)), -1) for i in range(cached // block_size)]
 
 
 def check_hits_served(calls, hits) -> None:
@@ -239,8 +286,20 @@ def describe_call(i, call) -> str:
             extra += f", snapshots to slots {list(call.snapshot_slots)}"
         if call.inner_snapshot_slots is not None and any(s >= 0 for r in call.inner_snapshot_slots for s in r):
             extra += f", inner snapshots to slots {[list(r) for r in call.inner_snapshot_slots]}"
-        if call.prefix_slots is not None and any(s >= 0 for s in call.prefix_slots):
+        if call.block_table is not None and any(s >= 0 for r in call.block_table for s in r):
+            extra += (f", block tables {[list(r) for r in call.block_table]} resuming at tokens "
+                      f"{list(call.num_computed)}")
+        elif call.prefix_slots is not None and any(s >= 0 for s in call.prefix_slots):
             extra += f", from prefix slots {list(call.prefix_slots)}"
+        rows = [k for k, d in enumerate(call.decode_rows or ()) if d]
+        if rows:  # a mixed call: its decode rows, after its prefill rows
+            extra += f", decode rows of sequences {[call.sequences[k] for k in rows]}"
+        if call.admission:
+            extra += f", admitting sequences {[call.sequences[k] for k, _, _ in call.admission]}"
+            loads = [(call.sequences[k], s, ok) for k, s, ok in call.admission if s >= 0]
+            if loads:
+                extra += " (loads: " + ", ".join(f"sequence {n} from slot {s}" + ("" if ok else ", rejected")
+                                                  for n, s, ok in loads) + ")"
         return f"call {i} (prefill of sequences {list(call.sequences)} in slots {list(call.slots)}{extra})"
     rows = list(call.slots[call.num_valid:])
     return (f"call {i} (decode of sequences {list(call.sequences)} in slots {list(call.slots[:call.num_valid])}, "

@@ -244,7 +244,7 @@ def _check_case(case: ParityCase, results, reference, bitwise_replicated: bool) 
                 views = {(f" tp_rank{t}" if tp > 1 else ""): {(t, c): at(t, c)[k] for c in range(cp)}
                          for t in range(tp)}
             for suffix, holders in views.items():
-                collect(_check_tokens, holders, ref, case, f"{label} {what}{suffix}", what + suffix)
+                collect(check_tokens, holders, ref, case, f"{label} {what}{suffix}", what + suffix)
         if tp > 1:
             for name in sorted(case.layer.replicated):
                 for c in range(cp):
@@ -297,8 +297,24 @@ def _layout_note(case: ParityCase, results) -> str:
             return (f"the layouts differ: the layer lays tokens out as cp_layout={layout!r} does "
                     f"({LAYOUT_WORDS[layout]}), this placement as {p.cp_layout!r} does ({LAYOUT_WORDS[p.cp_layout]}). "
                     f"Its outputs are the replicated layer's on the batch read in {layout!r} order (error "
-                    f"{error:.1e}): test it with Placement(cp_layout={layout!r}), or give the layer this layout")
+                    f"{error:.1e}); {_first_disagreement(bounds, holders, moves, p, layout)}: test it with "
+                    f"Placement(cp_layout={layout!r}), or give the layer this layout")
     return ""
+
+
+def _first_disagreement(bounds, holders, moves, placement, layout) -> str:
+    """Where two token layouts first disagree: the first token (global order) a rank holds at a
+    local position where `layout` has another token, named with the rank and the other token."""
+    def where(t):
+        n = max(i for i in range(len(bounds) - 1) if bounds[i] <= t)
+        return f"seq {n} token {t - bounds[n]} (global {t})"
+
+    slots = [(int(a), holder, i, int(b)) for holder, (mine, seen, _) in zip(holders, moves)
+             for i, (a, b) in enumerate(zip(mine.tolist(), seen.tolist())) if a != b]
+    token, (tp_rank, cp_rank), i, other = min(slots)
+    rank = f"CP rank {cp_rank}" + (f", TP rank {tp_rank}" if placement.sequence_parallel else "")
+    return (f"the two first disagree at {where(token)}, which this placement hands to {rank} as its local token {i}, "
+            f"where {layout!r} has {where(other)}")
 
 
 def _packing_note(case: ParityCase, results) -> str:
@@ -330,7 +346,7 @@ def _packing_note(case: ParityCase, results) -> str:
             f"so state and conv run from one document into the next")
 
 
-def _check_tokens(holders, ref, case, name, what) -> None:
+def check_tokens(holders, ref, case, name, what) -> None:
     """The gathered `[1, T, ...]` tensor against `ref`, failures naming the ranks holding the worst
     token, then the first wrong token (of each rank, where the ranks split the tokens)."""
     __tracebackhide__ = True

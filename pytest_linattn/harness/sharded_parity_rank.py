@@ -80,16 +80,18 @@ def whole(t):
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def load_shard(module: torch.nn.Module, local: dict) -> None:
+def load_shard(module: torch.nn.Module, local: dict, owner: str = "ShardedLayer") -> None:
+    """`local` (the client's shard) into the built module's parameters; ValueError naming
+    `owner`.shard where the names or shapes differ."""
     params = dict(module.named_parameters())
     missing, unexpected = sorted(params.keys() - local.keys()), sorted(local.keys() - params.keys())
     if missing or unexpected:
-        raise ValueError(f"ShardedLayer.shard must return exactly the built module's parameters: "
+        raise ValueError(f"{owner}.shard must return exactly the built module's parameters: "
                          f"missing {missing}, unexpected {unexpected}")
     with torch.no_grad():
         for n, param in params.items():
             if tuple(local[n].shape) != tuple(param.shape):
-                raise ValueError(f"ShardedLayer.shard gave {n} shape {tuple(local[n].shape)}; "
+                raise ValueError(f"{owner}.shard gave {n} shape {tuple(local[n].shape)}; "
                                  f"the built module's parameter has {tuple(param.shape)}")
             param.copy_(local[n])
 

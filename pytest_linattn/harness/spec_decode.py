@@ -39,7 +39,8 @@ prefill call's tokens are split in contiguous pieces over them, as in the state-
 filler sequence, fresh, in a scratch slot after the others where they do not divide by cp); a
 verify call and its accept run whole on every rank (the layer's decode step). Every rank's slots
 are checked; a prefill token's output on the CP rank that held it, a verify call's on every CP
-rank. This module imports no pytest.
+rank. Blocks at every `block_size` committed tokens (prefix caching): `spec_blocks`. This module
+imports no pytest.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from ..parity import check_rtol
 from .cases import ShardedLayer, require_module_level
 from .continuation_report import cp_view, field_names
 from .placement import Placement
+from .spec_blocks import check_block_plans, check_spec_snapshots, with_block_snapshots
 from .spec_decode_rank import RankSpec, SpecCall, run_spec_on_rank
 from .serving_plans import (check_pool_placements, check_state_dtype_names, check_state_dtypes, describe_fillers,
                             free_fill, rank_note, with_cp_fillers)
@@ -166,11 +168,13 @@ class SpecDecodePath:
 def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.Module,
                               placements: Sequence[Placement], plans: Sequence[SpecPlan], *, num_draft: int,
                               hidden_size: int, seed: int, rtol: float, dtype: torch.dtype = torch.float64,
-                              reference_forward: Callable | None = None, name: str = "") -> None:
+                              reference_forward: Callable | None = None, block_size: int | None = None,
+                              name: str = "") -> None:
     """The client's verify-and-accept path at every placement (TP, CP, TP x CP) against the float64 serial run
     of `reference` (the module docstring). num_draft: K, the drafts of every verify call.
     reference_forward(reference, x, cu_seqlens, state) -> (y, final_state), as the continuation
-    check's (state None: zeros). AssertionError naming the call, slot, sequence and token."""
+    check's (state None: zeros). block_size: blocks at every B committed tokens (`spec_blocks`).
+    AssertionError naming the call, slot, sequence and token."""
     __tracebackhide__ = True
     if not isinstance(path, SpecDecodePath):
         raise ValueError(f"path must be a SpecDecodePath, got {type(path).__name__}")
@@ -189,6 +193,8 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
             raise ValueError(f"plans[{n}].drafts has a round of 0 drafts, which runs no token without the path's "
                              f"bonus_token (a row of 0 drafts runs its bonus token alone)")
     placements = check_pool_placements(placements, path, "the spec-decode mode")
+    if block_size is not None:
+        check_block_plans(plans, num_draft, path.bonus_token, block_size)
 
     gen = torch.Generator().manual_seed(seed)
     lengths = [pl.length + (len(pl.accepted) if path.bonus_token else 0) for pl in plans]
@@ -204,15 +210,17 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     # under CP, slots after the others for the fillers (a row of S like a sequence's)
     scratch = (N * S + 1 if S == 1 else tuple(range(N * S + 1, N * S + 1 + S))) \
         if any(p.cp > 1 for p in placements) else None
-    fields = [torch.randn((N * S + 1 + (S if scratch is not None else 0),) + tuple(t.shape[2:]), generator=gen,
-                          dtype=torch.float64) for t in serial_states]
-    unheld = [0] + list(range(N * S + 1, fields[0].shape[0]))  # slot 0 (free) and the CP scratch slots
+    size = N * S + 1 + (S if scratch is not None else 0)
+    calls = spec_schedule(plans, bounds, x, num_draft, gen, bonus_token=path.bonus_token,
+                          slots_per_sequence=path.slots_per_sequence)
+    calls, snapshots = with_block_snapshots(calls, block_size, size) if block_size else (calls, {})
+    fields = [torch.randn((size + len(snapshots),) + tuple(t.shape[2:]), generator=gen, dtype=torch.float64)
+              for t in serial_states]
+    unheld = [0] + list(range(N * S + 1, size))  # slot 0 (free) and the CP scratch slots; blocks random until written
     for f in fields:
         f[unheld] = free_fill(f[unheld])
     probe = serial_states
     pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
-    calls = spec_schedule(plans, bounds, x, num_draft, gen, bonus_token=path.bonus_token,
-                          slots_per_sequence=path.slots_per_sequence)
     K = (num_draft, int(path.bonus_token))  # how a call's rows are described
     expected = [_expected(forward, reference, call, bounds, serial_y, serial_states, probe) for call in calls]
     label = f"{name}/" if name else ""
@@ -222,8 +230,11 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
         case = RankSpec(path, p, {k: t.detach() for k, t in reference.named_parameters()}, pool, placed, dtype,
                         field_names(probe))
         results = spawn(run_spec_on_rank, p.size, case)
+        blocks = (check_spec_snapshots(p, path, plans, placed, snapshots, results, serial_states, pool, rtol,
+                                       lambda i, c: _describe_call(i, c, K), field_names(probe)) + (set(snapshots),)
+                  if snapshots else ([], [], ()))
         report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, placed, expected, results, rtol, K,
-                        field_names(probe))
+                        field_names(probe), blocks)
         if report:
             reports.append(report)
     if reports:
@@ -330,10 +341,13 @@ def _drafts(call, K) -> list[int]:
     return [int(n) - K[1] for n in call.cu_seqlens.diff().tolist()]
 
 
-def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> str:
-    outputs, states, changed = [], [], []
+def _check(label, p, path, plans, calls, expected, results, rtol, K, names, blocks=([], [], ())) -> str:
+    """blocks: (wrong blocks, blocks changed after their call, the block slots) of `spec_blocks`."""
+    outputs, states, changed = [], [], list(blocks[1])
     for r, result in enumerate(results):
         for i, slot, field, diff in result["changed"]:
+            if slot in blocks[2]:  # a block: said by spec_blocks
+                continue
             changed.append(f"{_describe_call(i, calls[i], K)} changed slot {slot}, which it did not schedule: field "
                            f"{field}, max |change| {diff:.2e} (rank {r})")
     for i, (call, exp) in enumerate(zip(calls, expected)):
@@ -370,12 +384,14 @@ def _check(label, p, path, plans, calls, expected, results, rtol, K, names) -> s
                         states.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), state "
                                       f"{after}{how}: field {field} error {err:.1e}"
                                       + (f" (cp_rank{c})" if p.cp > 1 else ""))
-    if not (outputs or states or changed):
+    if not (outputs or states or changed or blocks[0]):
         return ""
     parts = [f"spec-decode parity failed for {label}: {len(outputs)} wrong output(s), {len(states)} wrong state(s), "
-             f"{len(changed)} unscheduled slot change(s)" + (f"\n{describe_fillers(calls).rstrip()}"
+             + (f"{len(blocks[0])} wrong block(s), " if blocks[0] else "")
+             + f"{len(changed)} unscheduled slot change(s)" + (f"\n{describe_fillers(calls).rstrip()}"
                                                               if describe_fillers(calls) else "")]
     for title, found in (("first wrong outputs (by call)", outputs), ("first wrong states (by call)", states),
+                         ("first wrong blocks (by call)", blocks[0]),
                          ("slots changed without being scheduled", changed)):
         if found:
             parts.append(f"{title}:\n" + "\n".join(f"  {f}" for f in found[:MAX_LISTED])

@@ -39,6 +39,8 @@ class SpecCall:
     accepted: tuple | None
     starts: tuple
     filler: tuple | None = None  # under CP: (input [1, pad, hidden], scratch slot(s)) of a filler sequence
+    snapshot_slots: tuple | None = None  # block_size: per sequence the block of the boundary its tokens reach, -1
+    snapshot_offsets: tuple | None = None  # block_size: per sequence that boundary's offset in the call's tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,8 +61,9 @@ def run_spec_on_rank(case: RankSpec) -> dict:
     """Rank function (for spawn): per call its outputs `y` `[1, T, hidden]` over the call's tokens,
     which of them this rank ran ('held': under CP a prefill token on one CP rank) and which every
     rank runs ('decoded': a verify call's), the scheduled slots' state after it (this rank's shard,
-    one row per sequence of the call), and the slots a call changed without scheduling them: (call
-    index, slot, field, max |change|)."""
+    one row per sequence of the call), the blocks it wrote (block_size: slot -> state, each field
+    `[1, ...]`), and the slots a call changed without scheduling them: (call index, slot, field,
+    max |change|)."""
     p, device = case.placement, run_device()
     path, (module, pool) = case.path, rank_layer_and_pool(case, device)
     out, changed = [], []
@@ -70,21 +73,27 @@ def run_spec_on_rank(case: RankSpec) -> dict:
             slots = torch.tensor(call.slots, dtype=torch.int64, device=device)
             T = call.x.shape[1]
             y_call, held = torch.zeros(1, T, call.x.shape[2], dtype=case.dtype), torch.zeros(T, dtype=torch.bool)
+            blocks = {} if call.snapshot_slots is None else dict(snapshot_slots=call.snapshot_slots)
             if call.kind == "prefill":
                 y, positions = prefill_on_rank(path.prefill, module, p, call.x, call.cu_seqlens, pool, call.slots,
-                                               call.fresh, call.filler, device, case.dtype)
+                                               call.fresh, call.filler, device, case.dtype, **blocks)
             else:
+                if blocks:
+                    blocks["snapshot_offsets"] = call.snapshot_offsets
                 y = path.verify(module, call.x.to(device, case.dtype), call.cu_seqlens.to(device), pool, slots, p)
-                path.accept(module, pool, slots, torch.tensor(call.accepted, dtype=torch.int64, device=device), p)
+                path.accept(module, pool, slots, torch.tensor(call.accepted, dtype=torch.int64, device=device), p,
+                            **{k: torch.tensor(v, dtype=torch.int64, device=device) for k, v in blocks.items()})
                 positions = torch.arange(T)
             y_call[:, positions] = y.detach().cpu().to(case.dtype)
             held[positions] = True
             rows = [t[slots] for t in pool] if path.read_state is None else path.read_state(module, pool, slots, p)
             # copies: read_state may return views of the pool (and .cpu() on a CPU copies nothing)
             states = rebuild_state(case.pool, [t.detach().to("cpu", copy=True) for t in rows])
+            written = [s for s in call.snapshot_slots or () if s >= 0]  # copies, each field [1, ...]
             out.append(dict(y=y_call, held=held, decoded=held if call.kind == "verify" else torch.zeros_like(held),
-                            states=states))
-            scheduled = set(slots.flatten().tolist())
+                            states=states, snapshots={s: rebuild_state(case.pool, [t[s:s + 1].detach().to(
+                                "cpu", copy=True) for t in pool]) for s in written}))
+            scheduled = set(slots.flatten().tolist()) | set(written)
             if call.filler is not None:  # the filler's scratch slot(s): scheduled by the call
                 scheduled |= set(torch.tensor(call.filler[1]).flatten().tolist())
             for slot in range(pool[0].shape[0]):

@@ -37,7 +37,7 @@ from linattn.checks import positive_int
 from ..parity import assert_parity, check_rtol
 from .cases import DECODE_LAYOUTS, ShardedLayer, require_linattn_config, require_module_level
 from .continuation_report import field_names
-from .placement import Placement, as_cu_seqlens
+from .placement import Placement, as_cu_seqlens, check_one_stage
 from .state_handoff_rank import RankDecode, RankPrefill, run_decode_on_rank, run_prefill_on_rank
 from .state_pool_rank import rebuild_state
 
@@ -99,6 +99,7 @@ def _check_tp_only(placement, what: str) -> None:
     __tracebackhide__ = True
     if not isinstance(placement, Placement):
         raise ValueError(f"{what} must be a Placement, got {type(placement).__name__}")
+    check_one_stage(placement, "the state handoff check")
     if placement.cp > 1 or placement.sequence_parallel:
         raise NotImplementedError(f"{what}: not implemented: TP only (the handoff check moves states between TP "
                                   f"sizes: no CP, no sequence parallel), got {placement.name}")
@@ -318,8 +319,9 @@ def _units(config, field, shape, tp, tp_rank):
         local, replicas = config.local(tp), config.key_head_replicas(tp)
     except ValueError:
         return None
-    dk, dv, r = config.head_k_dim, config.head_v_dim, config.v_heads_per_k_head
-    key0, value0 = tp_rank // replicas * local.num_k_heads, tp_rank * local.num_v_heads  # this rank's first heads
+    dk, dv = config.head_k_dim, config.head_v_dim
+    key0 = tp_rank // replicas * local.num_k_heads  # this rank's first key head
+    values = config.value_heads_of_rank(tp, tp_rank)  # its value heads, in its order (the config's head pairing)
     if field == "conv" and shape == (local.conv_dim, config.conv_size - 1):
         kd, words = local.key_dim, []
         for c in range(local.conv_dim):
@@ -327,12 +329,11 @@ def _units(config, field, shape, tp, tp_rank):
                 section, i = ("q", c) if c < kd else ("k", c - kd)
                 region, channel = f"section {section} key head {key0 + i // dk}", i % dk
             else:
-                region, channel = f"section v value head {value0 + (c - 2 * kd) // dv}", (c - 2 * kd) % dv
+                region, channel = f"section v value head {values[(c - 2 * kd) // dv]}", (c - 2 * kd) % dv
             words.append((region, f"{region} channel {channel}"))
         return "channel", words
     if field == "recurrent" and shape == (local.num_v_heads, dk, dv):
-        heads = [value0 + h for h in range(local.num_v_heads)]
-        return "value head", [(f"key head {v // r}", f"value head {v}") for v in heads]
+        return "value head", [(f"key head {config.key_head_of(v)}", f"value head {v}") for v in values]
     return None
 
 

@@ -50,7 +50,9 @@ that wrote it (the shared-block rule: the call that reads it included). A path w
 `inner_snapshots` (an engine whose snapshot cadence is shorter than its chunks) also snapshots
 every block boundary strictly inside a chunk (the prefill gets `inner_snapshot_slots` and
 `inner_snapshot_offsets`); those snapshots are checked the same way, a hit may start from any of
-them, and chunks need not end on block boundaries. This module imports no pytest.
+them, and chunks need not end on block boundaries. Block tables, per-group hit lengths, mixed
+prefill and decode rows in one call, admissions and rejected loads: `pool_modes`. This module
+imports no pytest.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from .cases import ShardedLayer, require_module_level
 from .continuation_plans import SequencePlan
 from .continuation_report import field_names
 from .placement import Placement, as_cu_seqlens
+from .pool_modes import check_group_hits, check_pool_options, check_rejected_hits, restored_blocks
 from .serving_plans import (CAPTURE_SIZES, check_hits_served, check_pool_placements, check_prefix_hits,
                             check_state_dtype_names, check_state_dtypes, free_fill, pool_schedule, sequence_slots,
                             snapshots_of, with_cp_fillers)
@@ -126,6 +129,14 @@ class StatePoolPath:
         prefix hit may start from any snapshot, and chunks need not end on block boundaries.
         Plans whose chunks cross no inner boundary are refused (the option would check nothing).
         Default False: snapshots only where a chunk ends on a block boundary (vLLM's align mode).
+    block_tables: prefix mode, CP 1: the prefill gets `block_table` and `num_computed_tokens` instead
+        of `prefix_slots` and maps token counts to blocks itself (`pool_modes`). Default False.
+    mixed_calls: each step's decode rows run in its prefill call, after the prefill rows, as 1-token
+        rows; the prefill gets `decode_rows` `[N]` bool (`pool_modes`). Default False.
+    admit(module, pool, slots, load_slots, loaded, placement) -> None: called before the prefill call
+        that runs sequences' first chunks, for those sequences: what each admission loads (a prefix
+        hit's snapshot, -1 none) and whether the load goes through (`rejected_hits`: `pool_modes`);
+        may change the admitted slots only. Default None: no admission step.
     """
 
     layer: ShardedLayer
@@ -138,6 +149,9 @@ class StatePoolPath:
     reserved_slots: tuple = ()
     capture: Callable | None = None
     inner_snapshots: bool = False
+    block_tables: bool = False
+    mixed_calls: bool = False
+    admit: Callable | None = None
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
@@ -159,9 +173,11 @@ class StatePoolPath:
             raise ValueError(f"StatePoolPath.reserved_slots must be distinct slot indices >= 0 (slots never given to a "
                              f"sequence, the engine's scratch; vLLM's null block: (0,)), got {reserved!r}")
         object.__setattr__(self, "reserved_slots", tuple(reserved))
-        if not isinstance(self.inner_snapshots, bool):
-            raise ValueError(f"StatePoolPath.inner_snapshots must be a bool (snapshots at the block boundaries inside "
-                             f"a chunk too, prefix mode), got {self.inner_snapshots!r}")
+        for flag in ("inner_snapshots", "block_tables", "mixed_calls"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"StatePoolPath.{flag} must be a bool, got {getattr(self, flag)!r}")
+        if self.admit is not None and not callable(self.admit):
+            raise ValueError(f"StatePoolPath.admit must be callable or None, got {self.admit!r}")
         pad = self.padding_slot
         if not (pad is None or pad == "free" or (isinstance(pad, int) and not isinstance(pad, bool)
                                                   and (pad in (-1, 0) or pad in self.reserved_slots))):
@@ -175,6 +191,7 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
                              max_live: int | None = None, capture_sizes: Sequence[int] = CAPTURE_SIZES,
                              dtype: torch.dtype = torch.float64, block_size: int | None = None,
                              prefix_hits: dict | None = None, reference_forward: Callable | None = None,
+                             group_hits: dict | None = None, rejected_hits: dict | None = None,
                              name: str = "") -> None:
     """The client's pool path at every placement (TP, CP, TP x CP) against one float64 full forward of
     `reference` from zero states (the module docstring). max_live: sequences live at once
@@ -183,7 +200,11 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
     x, cu_seqlens, state) -> (y, final_state), as the continuation check's. block_size: the prefix
     mode's block (module docstring); prefix_hits {n: (m, tokens)}: sequence n's first `tokens`
     tokens are sequence m's (m < n), restored from m's snapshot there; plans[n] covers the rest.
-    With the path's `inner_snapshots` a hit may start from any block boundary of m's chunks."""
+    With the path's `inner_snapshots` a hit may start from any block boundary of m's chunks.
+    group_hits {n: tokens} (the path's `block_tables`): hit n's layer group has cached m's blocks up
+    to `tokens`, past where the engine resumes; rejected_hits {n: (m, tokens)} (the path's `admit`):
+    sequence n's admission tries m's snapshot at `tokens`, the load is rejected, n runs from its
+    first token (`pool_modes`)."""
     __tracebackhide__ = True
     if not isinstance(path, StatePoolPath):
         raise ValueError(f"path must be a StatePoolPath, got {type(path).__name__}")
@@ -197,6 +218,9 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
         raise ValueError(f"plans must hold one SequencePlan per sequence ({N}), got {plans!r}")
     inner = path.inner_snapshots
     hits = check_prefix_hits(block_size, prefix_hits, plans, bounds, inner)
+    check_pool_options(path, block_size, group_hits, rejected_hits, placements)
+    groups = check_group_hits(group_hits, hits, plans, block_size)
+    rejected = check_rejected_hits(rejected_hits, hits, plans, bounds, block_size) if rejected_hits else {}
     for n, pl in enumerate(plans):
         if pl.length != bounds[n + 1] - bounds[n] - hits.get(n, (0, 0))[1]:
             raise ValueError(f"plans[{n}] covers {pl.length} tokens ({pl}); sequence {n} has "
@@ -221,7 +245,7 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
 
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
-    for n, (m, tokens) in hits.items():  # a prefix hit's first tokens are the other sequence's
+    for n, (m, tokens) in {**hits, **rejected}.items():  # a prefix hit's first tokens are the other sequence's
         x[:, bounds[n]:bounds[n] + tokens] = x[:, bounds[m]:bounds[m] + tokens]
     forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
     ref_dtype = next(reference.parameters()).dtype
@@ -239,12 +263,18 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
                     None)[1]]
         return boundary_states[seq, t]
 
+    def output_from(tokens, state):  # the reference's outputs of one sequence's `tokens` from `state`
+        cu_one = torch.tensor([0, tokens.shape[1]], dtype=torch.int32)
+        return forward(reference, tokens.to(ref_dtype), cu_one, rebuild_state(probe, [f[None].to(ref_dtype)
+                                                                                    for f in state]))[0]
+
     use_cp = any(p.cp > 1 for p in placements)
     kinds = [("spare", max_live + 1, gen)]  # a slot always free: the padding rows' free target
     if path.padding_slot != "free":
         kinds.append(("full", full_count, torch.Generator().manual_seed(seed + 1)))
     pools = [_pool_run(kind, count, g, probe, ht_ref, path, plans, bounds, max_live, hidden_size, capture_sizes,
-                       block_size, hits, use_cp, state_at) for kind, count, g in kinds]
+                       block_size, hits, use_cp, state_at, dict(group_hits=groups, rejected_hits=rejected))
+             for kind, count, g in kinds]
     label = f"{name}/" if name else ""
     reports = []
     for p in placements:
@@ -255,6 +285,9 @@ def assert_state_pool_parity(spawn, path: StatePoolPath, reference: torch.nn.Mod
             results = spawn(run_pool_on_rank, p.size, case)
             prefix = (check_snapshots(p, path, plans, bounds, run, results, rtol, state_at)
                       if run.snapshots else [])
+            if path.block_tables:  # a hit whose first computed token is off: which block it restored
+                prefix += restored_blocks(run.calls, hits, bounds, block_size, results[0]["y"], y_ref, rtol, state_at,
+                                          output_from, x)
             report = check_pool_run(f"{label}{p.name}/seed{seed}" + ("/full-pool" if run.kind == "full" else ""), p,
                                     path, plans, bounds, placed, results, y_ref, ht_ref, rtol, prefix, run)
             if report:
@@ -295,7 +328,7 @@ class _PoolRun:
 
 
 def _pool_run(kind, count, gen, probe, ht_ref, path, plans, bounds, max_live, hidden_size, capture_sizes, block_size,
-              hits, use_cp, state_at) -> _PoolRun:
+              hits, use_cp, state_at, options) -> _PoolRun:
     """The pool `kind` with `count` slots for the sequences (and the path's reserved slots), its
     schedule and snapshots; random fields, the slots no sequence holds at `free_fill`'s."""
     reserved = path.reserved_slots
@@ -303,7 +336,9 @@ def _pool_run(kind, count, gen, probe, ht_ref, path, plans, bounds, max_live, hi
     P = count + len(reserved)
     fields = [torch.randn((P,) + tuple(t.shape[1:]), generator=gen, dtype=torch.float64) for t in ht_ref]
     calls = pool_schedule(plans, bounds, max_live, P, hidden_size, gen, capture_sizes, block_size, hits,
-                          padding_slot=path.padding_slot, reserved_slots=reserved, inner_snapshots=path.inner_snapshots)
+                          padding_slot=path.padding_slot, reserved_slots=reserved, inner_snapshots=path.inner_snapshots,
+                          block_tables=path.block_tables, mixed_calls=path.mixed_calls,
+                          admission=path.admit is not None, **options)
     check_hits_served(calls, hits)
     snapshots = {s: (i, seq, t) for i, c in enumerate(calls) for seq, s, t in snapshots_of(c, bounds)}
     expected = {}

@@ -20,6 +20,8 @@ from .sharded_parity_rank import load_shard, run_device
 
 __all__ = ["PoolCall", "RankPool", "pool_dtypes", "prefill_on_rank", "run_pool_on_rank"]
 
+FLAGS = ("decode_rows",)  # a prefill's keywords of per-sequence flags (bool); the others hold slots or counts (int64)
+
 
 @dataclasses.dataclass(frozen=True)
 class PoolCall:
@@ -33,7 +35,9 @@ class PoolCall:
     `inner_snapshots`) also, per sequence, the slots of the block boundaries strictly inside its
     chunk and their offsets in the chunk (tokens of the chunk before the boundary), each row
     padded with -1 to the call's most. Under CP a prefill call whose tokens do not divide by cp
-    carries a filler: (its input `[1, pad, hidden]`, its scratch slot)."""
+    carries a filler: (its input `[1, pad, hidden]`, its scratch slot). The options of
+    `pool_modes` add a prefill call's block tables and tokens computed, its decode rows (mixed
+    calls) and the sequences it admits."""
 
     kind: str
     sequences: tuple
@@ -50,6 +54,10 @@ class PoolCall:
     filler: tuple | None = None  # under CP: (input [1, pad, hidden], scratch slot) of a filler sequence
     inner_snapshot_slots: tuple | None = None  # inner snapshots: per sequence its inner boundaries' slots, -1 padded
     inner_snapshot_offsets: tuple | None = None  # inner snapshots: per sequence their offsets in the chunk, -1 padded
+    block_table: tuple | None = None  # block tables: per sequence the blocks a hit's group has cached, -1 padded
+    num_computed: tuple | None = None  # block tables: per sequence its tokens before the chunk
+    decode_rows: tuple | None = None  # mixed calls: per sequence whether its row is a decode token
+    admission: tuple | None = None  # admissions: (row, the snapshot its admission loads or -1, whether it loads)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,9 +93,10 @@ def prefill_on_rank(prefill, module, placement, x, cu_seqlens, pool, slots, fres
         cu_seqlens = torch.cat([cu_seqlens, cu_seqlens[-1:] + filler_x.shape[1]])
         slots.append(filler_slot)
         fresh.append(True)
-        slot_keywords = {k: tuple(v) + (_none_like(v),) for k, v in slot_keywords.items()}
+        slot_keywords = {k: tuple(v) + ((False,) if k in FLAGS else (_none_like(v),)) for k, v in slot_keywords.items()}
     piece, own = cp_share(x.shape[1], num_real, placement.cp, cp_rank)
-    keywords = {k: torch.tensor(v, dtype=torch.int64, device=device) for k, v in slot_keywords.items()}
+    keywords = {k: torch.tensor(v, dtype=torch.bool if k in FLAGS else torch.int64, device=device)
+                for k, v in slot_keywords.items()}
     y = prefill(module, x[:, piece], cu_seqlens.to(device), pool, torch.tensor(slots, dtype=torch.int64, device=device),
                 torch.tensor(fresh, dtype=torch.bool, device=device), placement, **keywords)
     return y[:, own.to(y.device)], torch.arange(x.shape[1])[piece][own]
@@ -103,9 +112,15 @@ def call_keywords(call) -> dict:
     """A prefill call's prefix-mode keywords for the client's prefill (none outside prefix mode):
     snapshot_slots and prefix_slots, and with inner snapshots inner_snapshot_slots and
     inner_snapshot_offsets."""
+    keywords = {}
+    if call.decode_rows is not None:
+        keywords.update(decode_rows=call.decode_rows)
     if call.snapshot_slots is None:
-        return {}
-    keywords = dict(snapshot_slots=call.snapshot_slots, prefix_slots=call.prefix_slots)
+        return keywords
+    if call.block_table is not None:  # the client maps tokens to blocks itself: no prefix slots handed
+        return dict(keywords, snapshot_slots=call.snapshot_slots, block_table=call.block_table,
+                    num_computed_tokens=call.num_computed)
+    keywords.update(snapshot_slots=call.snapshot_slots, prefix_slots=call.prefix_slots)
     if call.inner_snapshot_slots is not None:
         keywords.update(inner_snapshot_slots=call.inner_snapshot_slots,
                         inner_snapshot_offsets=call.inner_snapshot_offsets)
@@ -141,6 +156,10 @@ def run_pool_on_rank(case: RankPool) -> dict:
             before = [t.clone() for t in pool]
             slots = torch.tensor(call.slots, dtype=torch.int64, device=device)
             if call.kind == "prefill":
+                if call.admission:  # the sequences this call admits: their slots, what each admission loads
+                    rows, loads, loaded = zip(*call.admission)
+                    path.admit(module, pool, slots[list(rows)], torch.tensor(loads, dtype=torch.int64, device=device),
+                               torch.tensor(loaded, dtype=torch.bool, device=device), p)
                 prefix = call_keywords(call)
                 y, positions = prefill_on_rank(path.prefill, module, p, x[:, call.tokens], call.cu_seqlens, pool,
                                                call.slots, call.fresh, call.filler, device, case.dtype, **prefix)

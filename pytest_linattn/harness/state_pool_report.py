@@ -143,7 +143,8 @@ def check_snapshots(p, path, plans, bounds, run, results, rtol, state_at) -> lis
             for f, (field, a, e) in enumerate(zip(names, got, expected[slot])):
                 err = _error(a[k], e)
                 if not err <= rtol:
-                    held = _held(a[k], e, f, run.pool[f][slot], seq, t, start, end, rtol, state_at)
+                    held = (_held(a[k], e, f, run.pool[f][slot], seq, t, start, end, rtol, state_at)
+                            or _held_by_another_row(a[k], f, calls[i], seq, bounds, rtol, state_at))
                     failures.append(f"{describe_call(i, calls[i])}: the snapshot of sequence {seq} ({plans[seq]}) at "
                                     f"{where} in slot {slot} is not the state there: field {field} error {err:.1e}"
                                     + held + (f" (cp_rank{c})" if p.cp > 1 else ""))
@@ -171,4 +172,19 @@ def _held(actual, expected, f, initial, seq, t, start, end, rtol, state_at) -> s
     for u in [end] + list(range(max(start, 1), end)):  # the chunk's end first, then its other tokens
         if u != t and _error(actual, state_at(seq, u)[f]) <= rtol:
             return f"; it holds the state at token {u}" + (" (its chunk's end)" if u == end else "")
+    return ""
+
+
+def _held_by_another_row(actual, f, call, seq, bounds, rtol, state_at) -> str:
+    """Where a wrong snapshot's field `f` is another row's state after the call (the state at its
+    chunk's end: a row's index read off by the others, a mixed call's decode row), '; it holds
+    sequence m's state at token u (...)'; '' otherwise."""
+    for other in call.sequences:
+        if other == seq:
+            continue
+        _, end = chunk_of(call, other, bounds)
+        if _error(actual, state_at(other, end)[f]) <= rtol:
+            decode = call.decode_rows is not None and call.decode_rows[call.sequences.index(other)]
+            return (f"; it holds sequence {other}'s state at token {end} ("
+                    + ("a decode row" if decode else "another row") + " of the call)")
     return ""

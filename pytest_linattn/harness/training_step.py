@@ -38,7 +38,7 @@ from linattn.checks import positive_int
 
 from ..parity import assert_parity, check_rtol
 from .cases import ShardedLayer, TrainingStep
-from .placement import Placement, as_cu_seqlens, check_fits
+from .placement import Placement, as_cu_seqlens, check_fits, check_one_stage
 from .recompute import check_recompute, training_recompute_failures
 from .sharded_parity import check_replicated
 from .training_step_rank import RankTraining, default_loss, run_training_on_rank
@@ -98,6 +98,7 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
                          f"{data_parallel} ranks (DP rank d runs micro-batches d, d + {data_parallel}, ...): "
                          f"give a multiple of {data_parallel}")
     for p in placements:
+        check_one_stage(p, "the training-step check")
         for m, cu in enumerate(packings):
             try:
                 check_fits([int(b) for b in cu.tolist()], p)

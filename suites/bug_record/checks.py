@@ -53,6 +53,19 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    per section of a fused weight, per head along the sharded dim), its weights at its bound
     fresh-init     assert_fresh_init_is_finite: the layer class built 64 times (seeds) in float32 and bf16 with
                    32 value heads, every parameter finite
+    pp-parity      assert_pipeline_parity at PP 2: a stack of 4 of the layer in 2 stages
+                   (suites/clients/pipeline_stack.py; bug_record.checks_pipeline)
+    pp-decode      assert_pipeline_decode_parity at PP 2: the same stack's prefill and decode steps, a
+                   sequence leaving the batch after the first step (bug_record.checks_pipeline)
+    head-pairing   assert_head_pairing at TP 2: a prefill call and a decode step, the key head each value head
+                   reads observed against the config's pairing (bug_record.checks_heads)
+    head-pairing-next  the same on a Qwen3-Next layer (qwen3_next layout, the record's sizes)
+    shared-process assert_layers_share_a_process at TP 2: the record's layer and a second layer of another
+                   key-head layout built in the same rank processes, then run (bug_record.checks_heads)
+    state-pool-blocks, state-pool-mixed, state-pool-admissions, spec-decode-blocks
+                   the serving options: block tables with a per-group hit, decode rows in the prefill
+                   call, admissions with a rejected load, speculative decoding with blocks at block
+                   boundaries (bug_record.checks_serving)
     kernel         fla's kernel against the float64 reference in the entry's kernel test (a bug the
                    layers cannot reach); run by that test, never by `run`
 
@@ -164,6 +177,21 @@ CHECKS = {
     "checkpoint": "checkpoint round trip (`assert_checkpoint_round_trip`, saved at TP 2 loaded at TP 1, and 1 to 2)",
     "checkpoint-fp8": "checkpoint round trip, FP8-style scales (`assert_checkpoint_round_trip`, TP 2 to 1 and 1 to 2)",
     "fresh-init": "fresh initialisation (`assert_fresh_init_is_finite`, float32 and bf16, 64 seeds)",
+    "pp-parity": "pipeline parity (`assert_pipeline_parity`, PP 2, a stack of 4 layers)",
+    "pp-decode": "pipeline decode (`assert_pipeline_decode_parity`, PP 2, a stack of 4 layers, the batch changing)",
+    "head-pairing": "head pairing (`assert_head_pairing`, TP 2: prefill and a decode step, which key head each value "
+                    "head reads)",
+    "head-pairing-next": "head pairing of a Qwen3-Next layer (`assert_head_pairing`, TP 2, qwen3_next layout)",
+    "shared-process": "layers sharing a process (`assert_layers_share_a_process`, TP 2, two layers of other key-head "
+                      "layouts built, then run)",
+    "state-pool-blocks": "state pool, block tables (`assert_state_pool_parity`, TP 2, `block_tables`, a hit whose "
+                         "recurrent group cached more than the engine resumes at: `group_hits`)",
+    "state-pool-mixed": "state pool, mixed calls (`assert_state_pool_parity`, TP 2, `mixed_calls`: decode rows in "
+                        "the prefill call)",
+    "state-pool-admissions": "state pool, admissions (`assert_state_pool_parity`, TP 2, `admit`: a load-back at "
+                             "admission, a rejected load rolled back)",
+    "spec-decode-blocks": "speculative decoding with blocks (`assert_spec_decode_parity`, TP 2, `block_size` 4: "
+                          "acceptance landing on block boundaries)",
     "kernel": "fla's kernel against the float64 reference (`linattn.reference`), in its kernel test",
 }
 
@@ -439,6 +467,21 @@ def run(spawn, check, subject=None):
         return checkpoint(spawn, subject, quantized=check == "checkpoint-fp8")
     if check == "fresh-init":
         return fresh_init(subject)
+    if check in ("pp-parity", "pp-decode"):
+        from bug_record.checks_pipeline import pipeline_decode, pipeline_parity
+
+        return (pipeline_parity if check == "pp-parity" else pipeline_decode)(spawn, subject)
+    if check in ("head-pairing", "head-pairing-next", "shared-process"):
+        from bug_record import checks_heads
+
+        if check == "shared-process":
+            return checks_heads.shared_process(spawn, subject)
+        config = checks_heads.NEXT_CONFIG if check == "head-pairing-next" else CONFIG
+        return checks_heads.head_pairing(spawn, subject, config)
+    if check in ("state-pool-blocks", "state-pool-mixed", "state-pool-admissions", "spec-decode-blocks"):
+        from bug_record import checks_serving
+
+        return checks_serving.run(spawn, check, subject)
     if check == "kernel":
         raise ValueError("the kernel check runs in the entry's kernel test (registry.Bug.kernel_test), not here")
     raise ValueError(f"unknown check {check!r}; the checks: {sorted(CHECKS)}")

@@ -16,8 +16,11 @@ from bug_record import checks
 from bug_record import plants_handoff as H
 from bug_record import plants_state as S
 from bug_record.checks import CONFIG, REPLICATED_CONFIG
+from bug_record.checks_pipeline import PIPELINE, PIPELINE_LAYERS
 from linattn.layers import LayerState
 from pytest_linattn.harness.continuation_plans import describe_token, plan_cuts
+from pytest_linattn.harness.pipeline import decode_counts, stage_layers
+from pytest_linattn.harness.pipeline_report import stage_words
 from pytest_linattn.harness.serving_plans import pool_schedule, snapshots_of
 
 
@@ -347,3 +350,50 @@ def first_wrong_of_a_flat_context(cu=checks.CU_ZIGZAG, cp=2):
         wrong = [token_at[f] for f in range(r * local, (r + 1) * local) if not right(f)]
         per_rank.append(at_token(min(wrong), cu) if wrong else "none")
     return first_wrong_per_rank(f"record/cp{cp}-zigzag/seed44", *per_rank)
+
+
+def _pipeline_steps(seqlens=checks.STATE_SEQLENS):
+    """The pp-decode check's decode steps: (sequences, each one's decoded token) per step, the
+    harness's default decode counts over `seqlens`."""
+    counts = decode_counts(len(seqlens))
+    return [[(n, length - d + j) for n, (length, d) in enumerate(zip(seqlens, counts)) if j < d]
+            for j in range(max(counts))]
+
+
+def _pipeline_stage(stage):
+    return stage_words(stage, stage_layers(PIPELINE_LAYERS, PIPELINE.pp, stage))
+
+
+def _decode_step(j, steps):
+    return f"decode step {j + 1} of {len(steps)} (sequences {[n for n, _ in steps[j]]})"
+
+
+def caches_looked_up_by_stage_index(seqlens=checks.STATE_SEQLENS):
+    """sglang #39699's plant: every output right up to the first decode step on stage 1, whose
+    layers find no cache (they read stage-local entries, never written there); then stage 1's
+    first layer's cache off for every sequence."""
+    steps = _pipeline_steps(seqlens)
+    stage = _pipeline_stage(1)
+    return (re.escape(f"first wrong output: {_decode_step(0, steps)} on {stage}; the calls before it right on every "
+                      f"stage, this one right on stage 0") + r"[\s\S]*?"
+            + re.escape(f"record/pp2/seed44 {stage} layer 2 cache: ") + r"[\s\S]*?"
+            + re.escape(f"sequences off: {list(range(len(seqlens)))}; right: none"))
+
+
+def stale_row_map(seqlens=checks.STATE_SEQLENS):
+    """vLLM-backport #63's plant: the first decode step whose rows hold other sequences than the
+    step before's is the first wrong call, on stage 0 (a non-last stage), wrong at the first row
+    that moved (it reads and writes the slot of the sequence that held the row before); stage 0's
+    first layer's cache then off for that sequence and the one whose slot it used."""
+    steps = _pipeline_steps(seqlens)
+    j = next(j for j in range(1, len(steps))
+             if [n for n, _ in steps[j]] != [n for n, _ in steps[j - 1]][:len(steps[j])])
+    r = next(r for r, (n, _) in enumerate(steps[j]) if n != steps[j - 1][r][0])
+    moved, token = steps[j][r]
+    owner = steps[j - 1][r][0]
+    stage = _pipeline_stage(0)
+    return (re.escape(f"first wrong output: {_decode_step(j, steps)} on {stage}; the calls before it right on every "
+                      f"stage") + r"\n[\s\S]*?"
+            + re.escape(f"rows off: row {r} (sequence {moved}, token {token})") + r"[\s\S]*?"
+            + re.escape(f"record/pp2/seed44 {stage} layer 0 cache: ") + r"[\s\S]*?"
+            + re.escape(f"sequences off: {sorted({owner, moved})}"))

@@ -46,11 +46,15 @@ from collections.abc import Callable
 
 from bug_record import located as where
 from bug_record import plants_checkpoint as C
+from bug_record import checks_heads as CH
+from bug_record import plants_heads as PH
 from bug_record import plants_handoff as H
 from bug_record import plants_layer as L
+from bug_record import plants_pipeline as P
 from bug_record import plants_state as S
 from bug_record import checks
 from bug_record.checks import CONFIG, MAX_NORM, REPLICATED_CONFIG, state_path
+from bug_record.checks_pipeline import record_pipeline_stack
 from clients.checkpoint import linattn_checkpoint_io
 from clients.isolation import IgnoresPositionIds
 from clients.per_token_loss import per_token_loss_step
@@ -60,6 +64,11 @@ from pytest_linattn.harness import Placement, TrainingStep
 from clients.padded import linattn_padded_path
 from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
 from clients.state_pool import linattn_pool_path
+from bug_record import located_serving as where_serving
+from bug_record import plants_serving as SV
+from bug_record.checks_serving import BLOCK as SERVING_BLOCK
+from clients.spec_decode import linattn_block_spec_path
+from clients.state_pool import linattn_block_pool_path, linattn_load_back_path
 
 __all__ = ["BUGS", "Bug", "FIDELITIES", "NOT_YET", "NotYet", "Report", "by_key"]
 
@@ -133,6 +142,14 @@ def _spec(**fields):
 
 def _row_spec(**fields):
     return functools.partial(linattn_row_spec_path, CONFIG, checks.SPEC_MIXED_DRAFTS, **fields)
+
+
+def _block_pool(**fields):
+    return functools.partial(linattn_block_pool_path, CONFIG, SERVING_BLOCK, **fields)
+
+
+def _load_back(**fields):
+    return functools.partial(linattn_load_back_path, CONFIG, **fields)
 
 
 def _padded(**fields):
@@ -581,6 +598,125 @@ BUGS = (
         located=where.replay_on_moved_state(),
         fidelity="moved", fidelity_note=("a MoE router's balancing bias, mutated in forward, becomes an input bias "
             "buffer of the GDN layer")),
+    Bug("vllm-backport-63", "N19", (gh("wtdcode/vllm-backport", 63, "pull"),),
+        "PP + MTP + prefix caching: under async PP a non-last rank post-processes pp_size steps late with a stale "
+        "batch-to-row map and copies GDN state through blocks owned by other requests (14-33% of requests collapse "
+        "into a constant-token loop)", "other (PP) + state pool", "No", "pp-decode",
+        lambda: record_pipeline_stack(P.StageWithAStaleRowMap), "stateful", located=where.stale_row_map(),
+        fidelity="partial", fidelity_note=("the stale batch-to-row map on a non-last stage, in the project's pipeline "
+            "stack client (suites/clients/pipeline_stack.py): off the last stage each decode step runs on the map the "
+            "step before left, so once a sequence has finished a row reads and writes the slot of the sequence that "
+            "held it; the MTP drafts and the prefix-cache block copies around it are not planted")),
+    Bug("sglang-39699", "also", (gh("sgl-project/sglang", 39699, "pull"), gh("sgl-project/sglang", 38866)),
+        "hybrid cache pools keep global model-layer IDs, but HiCache load-back and the forward's waits use "
+        "stage-local IDs: on a non-first pipeline stage the transfer maps match none of its layers, the "
+        "host-to-device restores are skipped and the forward reads stale state", "other (PP) + state pool", "No",
+        "pp-decode", lambda: record_pipeline_stack(P.StageLookingUpCachesByStageIndex), "stateful",
+        located=where.caches_looked_up_by_stage_index(),
+        fidelity="moved", fidelity_note=("sglang's HiCache load-back transfer maps (host-to-device restores of a "
+            "hybrid stack's cached state), keyed by stage-local IDs against pools of global layer IDs; planted in the "
+            "project's pipeline stack client's decode (suites/clients/pipeline_stack.py): its cache lookup by "
+            "stage-local index against caches kept under global layer indices, so stage 1 reads entries never written "
+            "on that stage and decodes from empty state")),
+    Bug("sglang-36722", "N20", (gh("sgl-project/sglang", 36722, "pull"),),
+        "a proposed change of the fused GDN decode kernels' key-head index from i_hv // (HV / H) to i_hv % H for "
+        "HV = 2H models (Qwen3.5-35B-A3B: 16 key heads, 32 value heads), on the claim that Qwen3.5's weights pair "
+        "value heads tiled; transformers' modules and fla's kernels pair them grouped, so decode steps would pair "
+        "half the value heads with the wrong key head while prefill (the chunk kernels) stays grouped; closed "
+        "unmerged", "key heads (pairing convention)", "No", "head-pairing",
+        _path(PH.DecodeIndexingKeyHeadsModuloH), "stateful",
+        # prefill right: the first failing check is the decode step's pairing, each rank's heads paired tiled
+        located=CH.decode_indexing_modulo_h(),
+        fidelity="moved", fidelity_note=("the proposed index in sglang's fused decode kernels (fused_recurrent.py: "
+            "decode, packed decode, update); planted in linattn's decode step, whose recurrence then pairs each TP "
+            "rank's value heads i % H of its own key heads, as those kernels see the rank's H and HV")),
+    Bug("llama-cpp-21732", "N21", (gh("ggml-org/llama.cpp", 21732, "pull"), gh("ggml-org/llama.cpp", 21703)),
+        "the tensor-parallel split assumed Qwen3-Next broadcasts K across V as Qwen3.5 does: Qwen3.5's GGUF pairs "
+        "value heads tiled (its conversion reorders them; V split on the scale of K), Qwen3-Next's grouped, so "
+        "Qwen3-Next's weights and caches split the tiled way paired half of its value heads with the wrong key "
+        "head (text still plausible; perplexity 4.32 -> 7.48)", "key heads (pairing convention)", "No",
+        "head-pairing-next", lambda: PH.path_split_as_the_other_pairing(CH.NEXT_CONFIG), "sharded",
+        located=CH.split_as_the_other_pairing(),
+        fidelity="faithful", fidelity_note=("in the project's shard client (linattn's shard_state_dict and "
+            "shard_layer_state of the tiled pairing applied to a grouped Qwen3-Next layer, its weights and state), "
+            "not llama.cpp's split of GGUF tensors")),
+    Bug("deepspeed-8316", "N33", (gh("deepspeedai/DeepSpeed", 8316, "pull"), gh("deepspeedai/DeepSpeed", 8291)),
+        "Ulysses' uneven-head all-to-all read a process-wide KV-head count that AutoTP writes at every injection "
+        "(and the first uneven all-to-all memoised), so a model was split by another component's count: 12 heads "
+        "on sp = 4 as [4, 4, 4, 0] instead of [3, 3, 3, 3]", "process-wide state", "No", "shared-process",
+        _cls(PH.KeyHeadCountSharedByTheProcess), "sharded",
+        # the layer built first reads the count the second one wrote; each is right alone
+        located=CH.process_wide_head_count(),
+        fidelity="moved", fidelity_note=("DeepSpeed's sequence-parallel all-to-all (deepspeed/sequence/layer.py) "
+            "reading the head count AutoTP writes; planted as a module-level key-head count linattn's GDN layer "
+            "writes at every build and reads in its forward to lay out q and k heads "
+            "(suites/bug_record/plants_heads.py): two layers of different key-head layouts in one process")),
+    Bug("vllm-53505", "N7", (gh("vllm-project/vllm", 53505),),
+        "align-mode Mamba with speculative decoding: when a round's accepted tokens land exactly on a block boundary, "
+        "the fused postprocess computes a destination block before its source (dest_block_idx < src_block_idx) and "
+        "copies the pre-move state back over the one the preprocess had just migrated forward; every later token "
+        "decodes from the state before the round (a normal prefix, then per-token degeneration)",
+        "MTP / spec decode + state pool", "No", "spec-decode-blocks",
+        functools.partial(linattn_block_spec_path, CONFIG, accept=SV.accept_copying_back_on_a_landed_boundary),
+        "stateful", located=where_serving.copied_back_on_a_landed_boundary(),
+        fidelity="moved", fidelity_note=("the root cause as a commenter on the thread located it in vLLM's "
+            "postprocess_mamba_fused_kernel (vllm/v1/worker/mamba_utils.py), where the running state and the "
+            "boundary's block are one block of the block table; planted in the project's spec client's accept "
+            "(suites/clients/spec_decode.py's block_accept), whose running slot and block are two slots, both left "
+            "holding the state the round started from; the KV connector of the report's title is not planted")),
+    Bug("vllm-53912", "N8", (gh("vllm-project/vllm", 53912), gh("vllm-project/vllm", 43559),
+                             gh("vllm-project/vllm", 47861, "pull"), gh("vllm-project/vllm", 43650, "pull")),
+        "MTP + prefix caching: the attention groups drop the final, partially accepted block of a hit, the Mamba / "
+        "GDN groups do not, so the hit lengths differ across groups and the recurrent state is restored from a "
+        "block past where the engine resumes (over-reused: tokens counted twice)",
+        "MTP / spec decode + state pool", "No", "state-pool-blocks",
+        _block_pool(prefill=SV.prefill_restoring_the_group_hit), "stateful",
+        located=where_serving.restored_the_group_hit(),
+        fidelity="moved", fidelity_note=("vLLM's KV-cache coordinator (a hit length per layer group); planted in the "
+            "project's block-table client (suites/clients/state_pool.py), whose prefill restores the last block its "
+            "group cached instead of the block where the engine resumes; the check's schedule resumes at the "
+            "attention group's shorter hit, as the engine does")),
+    Bug("vllm-55601", "N10", (gh("vllm-project/vllm", 55601, "pull"), gh("vllm-project/vllm", 55600)),
+        "the running Mamba state slot seeded with (num_computed_tokens - 1) // cache_config.block_size after "
+        "block_size was reassigned to the smallest prefix-cacheable group's (a 64-token drafter) instead of "
+        "mamba_block_size: short hits silently restore the wrong state, long hits fault",
+        "state pool (prefix cache)", "No", "state-pool-blocks",
+        _block_pool(prefill=SV.prefill_seeding_from_the_drafter_block_size), "stateful",
+        located=where_serving.seeded_from_the_drafter_block(),
+        fidelity="faithful", fidelity_note=("in the project's block-table client (suites/clients/state_pool.py), "
+            "block sizes scaled to a drafter's 2 against the Mamba group's 4; a column past the table (a fault in "
+            "vLLM) restores nothing here: the hit runs from its slot's stale state")),
+    Bug("sglang-23075", "N16", (gh("sgl-project/sglang", 23075, "pull"), gh("sgl-project/sglang", 22876, "pull")),
+        "--enable-mixed-chunk with the extra_buffer Mamba strategy: query_start_loc and mamba_cache_indices carry "
+        "the decode rows mixed into the prefill call, and the tracking helpers that write the prefill rows' conv / "
+        "SSM snapshots to the radix cache read them as the prefill rows' (GSM8K 93.8% to 87.6% at 16-way "
+        "concurrency)", "state pool (prefix cache)", "No", "state-pool-mixed",
+        _pool(prefill=SV.prefill_tracking_snapshots_through_the_decode_rows, mixed_calls=True), "stateful",
+        located=where_serving.snapshot_of_a_decode_row(),
+        fidelity="moved", fidelity_note=("sglang's mixed-batch metadata for its tracking helpers; planted in the "
+            "project's client's snapshot write (suites/clients/state_pool.py): each prefill row's snapshot taken "
+            "from the row as many places on as the call has decode rows, a decode row's state; the PR names the "
+            "pollution, not its index arithmetic")),
+    Bug("sglang-30986", "N13", (gh("sgl-project/sglang", 30986, "pull"),),
+        "a HiCache load-back allocates the copy-on-write Mamba slot and publishes it on req.mamba_pool_idx before "
+        "it knows the load proceeds; when the load aborts (memory quota, eviction) nothing unwinds it and the "
+        "request decodes from a slot whose host-to-device copy never ran: uninitialised memory or the previous "
+        "occupant's state", "state pool (abort path)", "No", "state-pool-admissions",
+        _load_back(admit=SV.admit_publishing_before_the_load), "stateful",
+        located=where_serving.rejected_load_read_as_loaded(),
+        fidelity="partial", fidelity_note=("the publication before the load, never unwound, in the project's "
+            "load-back client's admission (suites/clients/state_pool.py); a rejected load is rolled back to a run "
+            "from the sequence's first token; the slot-leak half of the report is not planted")),
+    Bug("lmcache-2863", "N17", (gh("LMCache/LMCache", 2863), gh("LMCache/LMCache", 2879, "pull")),
+        "an external KV connector stores the attention KV only but reports the full prefix as cached; the scheduler "
+        "skips those tokens for every layer type, so the Mamba / GDN layers start from a never-populated block "
+        "(about 40% garbled on Qwen3.5-4B)", "state pool (prefix cache)", "No", "state-pool-admissions",
+        _load_back(admit=SV.admit_reporting_hits_it_never_restored), "stateful",
+        located=where_serving.hit_never_restored(),
+        fidelity="moved", fidelity_note=("LMCache's connector and vLLM's scheduler; planted in the project's "
+            "load-back client's admission (suites/clients/state_pool.py) standing for a connector: the hit "
+            "published as loaded, nothing restored into its slot, so it resumes from the slot's previous "
+            "occupant; the observable is vllm-43090's")),
 )
 
 
@@ -597,31 +733,11 @@ class NotYet:
 # the record's second half (2026-12 search) not planted yet, each with the check or the machine it needs
 NOT_YET = (
     NotYet("N4", (gh("PrismML-Eng/llama.cpp", 174),), "the draft context's sequence removal silently failed and "
-           "kept stale draft positions", "a draft model's own state checked: the spec-decode check sees the target's"),
+           "kept stale draft positions", "a draft model's own state checked beside the target's: the spec-decode "
+           "check runs one model's verify and accept, and a drafter's rollback planted on it is the target's "
+           "observable (spec-decode-verify's), not the drafter's"),
     NotYet("N6", (gh("vllm-project/vllm", 55504, "pull"),), "ROCm AITER's non-spec decode ignored the accepted-token "
            "offset after a spec step", "nothing more: the same observable as vllm-56531, whose entry lists it"),
-    NotYet("N7", (gh("vllm-project/vllm", 53505),), "align-mode + spec decode: acceptance landing on a block "
-           "boundary copies the pre-move state back over the migrated one", "speculative decoding with prefix-cache "
-           "block migration in one check"),
-    NotYet("N8", (gh("vllm-project/vllm", 53912), gh("vllm-project/vllm", 43559)), "MTP + prefix caching: the "
-           "Mamba groups kept the partially accepted final block the attention groups dropped", "per-layer-group "
-           "hit lengths in the prefix mode"),
-    NotYet("N10", (gh("vllm-project/vllm", 55601, "pull"),), "the running slot seeded with the drafter's block size "
-           "instead of the Mamba block size", "a client that maps token counts to blocks itself (the prefix mode "
-           "hands the slots)"),
-    NotYet("N13", (gh("sgl-project/sglang", 30986, "pull"),), "a load-back published its slot before knowing it "
-           "proceeds; on abort the request decodes from another's state", "abort and rejected-admission paths in "
-           "the pool schedule"),
-    NotYet("N16", (gh("sgl-project/sglang", 23075),), "mixed chunked prefill: decode rows pollute the prefill's "
-           "snapshot metadata", "prefill and decode rows in one call of the pool check"),
-    NotYet("N17", (gh("LMCache/LMCache", 2863),), "an external KV connector reports attention hits for state it "
-           "never restored", "a connector client: the observable is vllm-43090's"),
-    NotYet("N19", (gh("wtdcode/vllm-backport", 63, "pull"),), "PP + MTP + prefix caching: a stale batch-to-row map "
-           "on a non-last stage copies state through other requests' blocks", "pipeline parallel in the harness"),
-    NotYet("N20", (gh("sgl-project/sglang", 36722, "pull"),), "a proposed change of the decode kernels' value-to-key "
-           "head index from i // (HV/H) to i % H", "named head-pairing conventions in the layers and the harness"),
-    NotYet("N21", (gh("ggml-org/llama.cpp", 21732, "pull"),), "a TP split that assumed Qwen3-Next and Qwen3.5 "
-           "broadcast K across V heads the same way", "named head-pairing conventions in the layers and the harness"),
     NotYet("N25", (gh("state-spaces/mamba", 1015),), "int32 pointer arithmetic in the SSD kernels past ~61K tokens",
            "a GPU at scale; not an fla family"),
     NotYet("N26", (gh("fla-org/flash-linear-attention", 1080),), "int32 block-pointer offsets past B*T*H*K > 2^31",
@@ -635,8 +751,6 @@ NOT_YET = (
            "a Triton where it runs"),
     NotYet("N32", (gh("QwenLM/FlashQLA", 28),), "the fused backward's gate-gradient cancellation under strong decay",
            "fla's fused backward compared at strong decay on a GPU"),
-    NotYet("N33", (gh("deepspeedai/DeepSpeed", 8316, "pull"),), "a process-wide head count overwritten by another "
-           "component: 12 heads split [4, 4, 4, 0]", "two differently configured layers in one process"),
 )
 
 

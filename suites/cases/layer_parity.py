@@ -212,6 +212,8 @@ def describe_grad_element(config, name, index, placement) -> str | None:
     replicas = config.key_head_replicas(placement.tp) if kind == "key" else 1
     if placement.tp > 1 and replicas > 1:  # TP beyond the key heads: consecutive ranks hold each key head
         text += f" (TP ranks {head * replicas}..{head * replicas + replicas - 1}, its replicas)"
+    elif placement.tp > 1 and kind == "value":  # the rank holding it: its key head's, by the head pairing
+        text += f" (TP rank {next(t for t in range(placement.tp) if head in config.value_heads_of_rank(placement.tp, t))})"
     elif placement.tp > 1:
         text += f" (TP rank {head // (total_heads // placement.tp)})"
     return text

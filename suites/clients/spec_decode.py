@@ -4,6 +4,7 @@ sequence keeps every token's state, and accepting j drafts writes the state afte
 the slot (vLLM's and fla's `num_accepted_tokens` interface: per-token states, no replay).
 
 `linattn_spec_path(config, verify=..., accept=...)`: the harness's SpecDecodePath for a config;
+`linattn_block_spec_path(config)`: the same keeping blocks at block boundaries (block_accept);
 a planted bug replaces prefill, verify or accept (module-level functions: spawn pickles them by
 reference).
 
@@ -25,8 +26,8 @@ from linattn.layers import LayerState
 from pytest_linattn.harness import SpecDecodePath
 from clients.state_pool import _shard, _unshard, pool_prefill
 
-__all__ = ["current_slots", "linattn_row_spec_path", "linattn_spec_path", "num_accepted", "pool_accept", "pool_verify",
-           "row_accept", "row_prefill", "row_prefill_slots", "row_state", "row_verify", "verify_states"]
+__all__ = ["block_accept", "current_slots", "linattn_block_spec_path", "linattn_row_spec_path", "linattn_spec_path",
+           "num_accepted", "pool_accept", "pool_verify", "row_accept", "row_prefill", "row_prefill_slots", "row_state", "row_verify", "verify_states"]
 
 
 def verify_states(module, x, cu_seqlens, state):
@@ -59,6 +60,23 @@ def pool_accept(module, pool, slots, num_accepted_tokens, placement):
     for f, kept in zip(pool, module.verify_states):
         f[slots] = kept[num_accepted_tokens, rows]
     module.verify_states = None
+
+
+def block_accept(module, pool, slots, num_accepted_tokens, placement, snapshot_slots, snapshot_offsets):
+    """pool_accept with blocks (`assert_spec_decode_parity(block_size=...)`, vLLM's align mode): where
+    the round's committed tokens reach a block boundary, the state there goes to the boundary's
+    block (the block the running state leaves behind), then each slot takes its committed state."""
+    rows = torch.arange(slots.numel(), device=slots.device)
+    taken = snapshot_slots >= 0
+    for f, kept in zip(pool, module.verify_states):
+        f[snapshot_slots[taken]] = kept[snapshot_offsets[taken], rows[taken]]
+    pool_accept(module, pool, slots, num_accepted_tokens, placement)
+
+
+def linattn_block_spec_path(config, accept=block_accept) -> SpecDecodePath:
+    """The slot-pool client with verify and accept that keeps the state at block boundaries in blocks
+    (its prefill writes a chunk-end boundary's, pool_prefill's snapshot_slots)."""
+    return linattn_spec_path(config, accept=accept)
 
 
 def linattn_spec_path(config, prefill=pool_prefill, verify=pool_verify, accept=pool_accept) -> SpecDecodePath:

@@ -12,6 +12,10 @@ StatePoolPath for a config; a planted bug replaces prefill or decode (module-lev
 spawn pickles them by reference).
 `linattn_captured_pool_path(config, capture=...)`: the same with captured decode steps (a CUDA-graph
 runner's static buffers refilled per step; a real torch.cuda.CUDAGraph is not built yet).
+`linattn_block_pool_path(config, block_size)`: block tables (the prefill maps token counts to
+blocks itself, vLLM's align mode); `linattn_load_back_path(config)`: admissions that load a
+prefix hit's snapshot into the admitted slot (copy-on-write); `linattn_pool_path(config,
+mixed_calls=True)`: decode rows in the prefill call (pool_prefill runs them as 1-token rows).
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ from cases.layer_parity import linattn_layer
 from linattn.layers import LayerState, shard_layer_state, unshard_layer_state
 from pytest_linattn.harness import StatePoolPath
 
-__all__ = ["captured_buffers", "decode_step_on", "linattn_captured_pool_path", "linattn_pool_path", "pool_capture",
-           "pool_decode", "pool_prefill", "prefill_in_pieces", "replayed"]
+__all__ = ["block_of", "block_pool_prefill", "captured_buffers", "decode_step_on", "linattn_block_pool_path",
+           "linattn_captured_pool_path", "linattn_load_back_path", "linattn_pool_path", "load_back_admit",
+           "load_back_prefill", "pool_capture", "pool_decode", "pool_prefill", "prefill_in_pieces", "published",
+           "replayed", "restored_slots"]
 
 
 def _rows(mask, rows):
@@ -33,10 +39,11 @@ def _rows(mask, rows):
 
 
 def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots=None, prefix_slots=None,
-                 inner_snapshot_slots=None, inner_snapshot_offsets=None):
+                 inner_snapshot_slots=None, inner_snapshot_offsets=None, decode_rows=None):
     """Each sequence from its slot (zero when fresh; a prefix hit from its prefix slot), its final
     state written back to the slot, and to its snapshot slot where it has one; with inner
-    snapshots, the chunk in pieces (`prefill_in_pieces`), each inner boundary's state to its slot."""
+    snapshots, the chunk in pieces (`prefill_in_pieces`), each inner boundary's state to its slot.
+    A mixed call's decode rows (`decode_rows`) are 1-token rows like the others."""
     read = slots if prefix_slots is None else torch.where(prefix_slots >= 0, prefix_slots, slots)
     state = LayerState(*(torch.where(_rows(fresh, f[read]), torch.zeros_like(f[read]), f[read]) for f in pool))
     if inner_snapshot_slots is not None and bool((inner_snapshot_slots >= 0).any()):
@@ -163,10 +170,77 @@ def _unshard(config, states, placement):
     return unshard_layer_state(states, config)
 
 
-def linattn_pool_path(config, prefill=pool_prefill, decode=pool_decode, inner_snapshots=False) -> StatePoolPath:
+def linattn_pool_path(config, prefill=pool_prefill, decode=pool_decode, inner_snapshots=False,
+                      **options) -> StatePoolPath:
     """linattn's layer for `config` through the slot-pool client, its state sharded over TP as
     its weights are; `inner_snapshots`: snapshots at the block boundaries inside a chunk too
-    (StatePoolPath.inner_snapshots; the client's prefill cuts its chunks there)."""
+    (StatePoolPath.inner_snapshots; the client's prefill cuts its chunks there); `options`: the
+    path's other fields (mixed_calls, ...)."""
     return StatePoolPath(linattn_layer(config), prefill=prefill, decode=decode,
                          shard_state=functools.partial(_shard, config),
-                         unshard_state=functools.partial(_unshard, config), inner_snapshots=inner_snapshots)
+                         unshard_state=functools.partial(_unshard, config), inner_snapshots=inner_snapshots, **options)
+
+
+# ---- block tables (StatePoolPath.block_tables): the client maps token counts to blocks ----
+
+def block_of(num_computed_tokens, block_size):
+    """The block column holding the state after `num_computed_tokens` tokens: (c - 1) // block_size
+    (vLLM's align mode)."""
+    return (num_computed_tokens - 1).div(block_size, rounding_mode="floor")
+
+
+def restored_slots(block_table, column):
+    """Each row's block at `column` where its table holds blocks (a prefix hit's first chunk), -1
+    elsewhere and where the column lies past the table."""
+    hit = (block_table >= 0).any(dim=1) & (column >= 0) & (column < block_table.shape[1])
+    picked = block_table.gather(1, column.clamp(0, block_table.shape[1] - 1).unsqueeze(1)).squeeze(1)
+    return torch.where(hit, picked, -1)
+
+
+def block_pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots, block_table,
+                       num_computed_tokens, decode_rows=None, *, block_size):
+    """The slot-pool prefill whose prefix hit restores the block holding the state where the engine
+    resumes (`block_of` num_computed_tokens, in the client's own block_size)."""
+    prefix = restored_slots(block_table, block_of(num_computed_tokens, block_size))
+    return pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots, prefix)
+
+
+def linattn_block_pool_path(config, block_size, prefill=block_pool_prefill, **options) -> StatePoolPath:
+    """The slot-pool client with block tables (StatePoolPath.block_tables) in blocks of `block_size`."""
+    return linattn_pool_path(config, prefill=functools.partial(prefill, block_size=block_size), block_tables=True,
+                             **options)
+
+
+# ---- admissions (StatePoolPath.admit): a load-back at admission, copy-on-write ----
+
+def published(module, pool):
+    """Per slot: whether it holds a prefix its admission loaded, published for the slot's next
+    chunk to start from (kept on the module, as an engine keeps it on the request)."""
+    if getattr(module, "published", None) is None:
+        module.published = torch.zeros(pool[0].shape[0], dtype=torch.bool, device=pool[0].device)
+    return module.published
+
+
+def load_back_admit(module, pool, slots, load_slots, loaded, placement):
+    """Where the load goes through, the snapshot copied into the admitted slot, which is then
+    published as holding the sequence's prefix; a rejected load publishes nothing."""
+    go = (load_slots >= 0) & loaded
+    for f in pool:
+        f[slots[go]] = f[load_slots[go]]
+    published(module, pool)[slots] = go
+
+
+def load_back_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_slots=None, prefix_slots=None):
+    """The slot-pool prefill on the admitted slots: a row starts from its slot where the slot holds
+    a published prefix or the row continues, from zero where fresh; the first chunk consumes the
+    publication."""
+    marks = published(module, pool)
+    y = pool_prefill(module, x, cu_seqlens, pool, slots, fresh & ~marks[slots], placement, snapshot_slots, None)
+    marks[slots] = False
+    return y
+
+
+def linattn_load_back_path(config, admit=load_back_admit, prefill=load_back_prefill, **options) -> StatePoolPath:
+    """The slot-pool client whose admissions load a prefix hit's snapshot into its slot (a host-cache
+    load-back, copy-on-write): StatePoolPath.admit."""
+    return linattn_pool_path(config, prefill=prefill, admit=admit, **options)

@@ -11,6 +11,7 @@ import torch
 
 from linattn import kernels
 from linattn.checks import require
+from linattn.heads import check_head_pairing, from_grouped, to_grouped
 
 from . import fla as fla_backend
 from .comm import global_rank, grad_anchor, receive_state_from_previous_rank, send_state_to_next_rank
@@ -37,6 +38,7 @@ def delta_rule(
     cp_context: CPContext,
     initial_state: torch.Tensor | None = None,
     output_final_state: bool = False,
+    head_pairing: str = "grouped",
 ):
     """Output ``[1, T_local, HV, V]`` of the (gated) delta rule over this rank's contiguous piece,
     with the recurrent state of sequences crossing rank boundaries carried exactly (forward and
@@ -55,8 +57,24 @@ def delta_rule(
     also return every sequence's final state ``[N, HV, K, V]``, whole on every rank (each
     computed where its sequence ends; gradient as ``conv.sequences_ending_here``): ``(o, final_state)``. Both run on
     the ``"exchange"`` backend only.
+
+    head_pairing: which key head each value head reads (linattn.heads). Both backends and a
+    ``piece_op`` run the grouped pairing: a tiled layer's value-head tensors move into grouped
+    order here and the output (and final state) back.
     """
     require(op in OPS, "op", f"must be one of {OPS}, got {op!r}")
+    if check_head_pairing(head_pairing) != "grouped" and v.shape[2] != q.shape[2]:
+        H, HV = q.shape[2], v.shape[2]
+
+        def grouped(t, dim=2):
+            return None if t is None else to_grouped(t, H, HV, head_pairing, dim)
+
+        out = delta_rule(q, k, grouped(v), grouped(g), grouped(beta), op=op, scale=scale, use_qk_l2norm=use_qk_l2norm,
+                         backend=backend, piece_op=piece_op, cp_context=cp_context,
+                         initial_state=grouped(initial_state, 1), output_final_state=output_final_state)
+        if output_final_state:
+            return from_grouped(out[0], H, HV, head_pairing, 2), from_grouped(out[1], H, HV, head_pairing, 1)
+        return from_grouped(out, H, HV, head_pairing, 2)
     check_call(cp_context, backend, piece_op)
     ctx = cp_context
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):

@@ -21,6 +21,9 @@ Coverage: packings by name (CP_PACKINGS, TP_CP_PACKINGS); a piece is one rank's 
     pieces < W-1, halo from 2 ranks back       - (needs cp >= 3)              tiny-pieces (ranks 2 and 3)
     float32                                    cross+inside                   span3+edge+len1
     seeded random packing (packed_seqlens)     contiguous, zigzag             contiguous, zigzag
+    fragment tables (fragment_seqlens):        uneven-pieces, empty-document, document-per-rank
+      every family, contiguous; empty          (contiguous), empty-document (zigzag)
+      documents in zigzag too
     TP x CP (tp 2): SP off / on                edge+len1, cross+len1, zz /    - (8 ranks)
                                                cross+len1, zz, float32
     gradients by autograd.grad, inputs=        contiguous, zigzag             contiguous, zigzag
@@ -42,9 +45,10 @@ import torch
 import torch.distributed as dist
 
 from cases.layer_parity import FAMILIES, assert_rules, error_of, make_case, make_config, random_state_dict
-from linattn.layers import build_layer
+from linattn.layers import LayerState, build_layer
 from linattn.parallel import new_groups
 from pytest_linattn.harness import Placement, assert_parity_cases, rank_token_index
+from pytest_linattn.seqlens import FRAGMENTS
 
 RTOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -97,6 +101,47 @@ def test_cp_layer_matches_replicated(spawn, cp_size, packed_seqlens, family):
         cases.append(make_case(make_config(family, 2 + j), cu, seed=_seed(family, 7 + j, cp_size),
                                cp=cp_size, layout=layout, name="random", rtol=RTOL))
     assert_parity_cases(spawn, cases, world_size=cp_size)
+
+
+@pytest.mark.cp_sizes(2, 4)
+def test_cp_layer_on_the_fragment_tables(spawn, cp_size, fragment_seqlens):
+    # the named tables (pytest_linattn.seqlens.FRAGMENTS): documents whose pieces on two ranks differ
+    # in length, zero-length documents (repeated boundaries: at the start, on a piece edge, at the
+    # end), one whole document per rank (nothing crosses); every family, one spawn call
+    cases = []
+    for i, family in enumerate(FAMILIES):
+        for j, name in enumerate(FRAGMENTS):
+            cases.append(make_case(make_config(family, 2), fragment_seqlens(name, cp_size), cp=cp_size, rtol=RTOL,
+                                   seed=_seed(family, j, cp_size, 6), name=name))
+    cases.append(make_case(make_config("qwen3_5", 3), fragment_seqlens("empty-document", cp_size, layout="zigzag"),
+                           cp=cp_size, layout="zigzag", rtol=RTOL, seed=_seed("qwen3_5", 9, cp_size, 6),
+                           name="empty-document"))
+    assert_parity_cases(spawn, cases, world_size=cp_size)
+
+
+def test_an_empty_document_keeps_its_state_and_changes_no_other():
+    # zero-length documents are allowed in cu_seqlens (fla's kernels take them too: fla pads cu_seqlens
+    # with zero-length tail sequences for graph capture): each one's final state is its initial state,
+    # and every other document's output and state are those of the batch without it
+    for family in FAMILIES:
+        config = make_config(family, 2)
+        layer = build_layer(config, dtype=torch.float64)
+        layer.load_state_dict(random_state_dict(config, 9))
+        cu = torch.tensor([0, 0, 5, 8, 8, 11, 16, 16], dtype=torch.int32)
+        gen = torch.Generator().manual_seed(10)
+        h0 = LayerState(torch.randn(7, config.conv_dim, config.conv_size - 1, generator=gen, dtype=torch.float64),
+                        torch.randn(7, config.num_v_heads, config.head_k_dim, config.head_v_dim, generator=gen,
+                                    dtype=torch.float64))
+        x = torch.randn(1, 16, config.hidden_size, generator=gen, dtype=torch.float64)
+        with torch.no_grad():
+            y, ht = layer(x, cu, h0, output_final_state=True)
+            kept = [1, 2, 4, 5]
+            y_without, ht_without = layer(x, torch.tensor([0, 5, 8, 11, 16], dtype=torch.int32),
+                                          LayerState(h0.conv[kept], h0.recurrent[kept]), output_final_state=True)
+        for empty in (0, 3, 6):
+            assert torch.equal(ht.conv[empty], h0.conv[empty]) and torch.equal(ht.recurrent[empty], h0.recurrent[empty])
+        assert torch.equal(y, y_without), family
+        assert torch.equal(ht.recurrent[kept], ht_without.recurrent) and torch.equal(ht.conv[kept], ht_without.conv)
 
 
 @pytest.mark.tp_sizes(2)

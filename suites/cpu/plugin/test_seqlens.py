@@ -1,9 +1,11 @@
-"""packed_seqlens: seeded, always covers the CP corner cases, refuses impossible requests."""
+"""packed_seqlens: seeded, always covers the CP corner cases, refuses impossible requests; the
+named fragment tables (fragment_seqlens) hold what their names say."""
 
 import pytest
 import torch
 
-from pytest_linattn.seqlens import DEFAULT_SEED, describe, packed_seqlens
+from pytest_linattn.harness import Placement, rank_token_index
+from pytest_linattn.seqlens import DEFAULT_SEED, FRAGMENTS, describe, fragment_seqlens, packed_seqlens
 
 
 def _check_basic(cu, total):
@@ -118,3 +120,42 @@ def test_describe_rejects_bad_input():
         describe(torch.tensor([0, 5, 10]), cp_size=4)
     with pytest.raises(ValueError, match="^layout"):
         describe(torch.tensor([0, 4]), layout="x")
+
+
+@pytest.mark.parametrize("cp", [2, 3, 4])
+def test_fragment_tables_hold_what_they_name(cp):
+    P = 8
+    lengths = {name: fragment_seqlens(name, cp, piece_tokens=P).diff().tolist() for name in FRAGMENTS}
+    # one whole document per rank: every boundary on a piece edge
+    assert lengths["document-per-rank"] == [P] * cp
+    # every document but the last crosses the next piece edge, its two pieces of different lengths
+    cu = fragment_seqlens("uneven-pieces", cp, piece_tokens=P).tolist()
+    for start, end in zip(cu[:-2], cu[1:-1]):
+        edge = (start // P + 1) * P
+        assert start < edge < end and edge - start != end - edge, (start, end)
+    # empty documents first, on the first piece edge and last; the others cross the remaining edges
+    cu = fragment_seqlens("empty-document", cp, piece_tokens=P).tolist()
+    assert cu[:2] == [0, 0] and cu[-2:] == [cp * P] * 2 and cu.count(P) == 2
+    for layout in ("contiguous", "fla-zigzag"):  # fit their placement's rule (T divisible by cp or 2 * cp)
+        for name in FRAGMENTS:
+            if layout == "fla-zigzag" and name == "uneven-pieces" and cp > 2:
+                continue
+            cu = fragment_seqlens(name, cp, layout=layout, piece_tokens=P)
+            rank_token_index(cu, Placement(cp=cp, cp_layout=layout), cp_rank=cp - 1)
+    zz = fragment_seqlens("empty-document", cp, layout="zigzag", piece_tokens=P)
+    assert 0 in zz.diff().tolist() and all(n % (2 * cp) == 0 for n in zz.diff().tolist())
+    rank_token_index(zz, Placement(cp=cp, cp_layout="zigzag"), cp_rank=cp - 1)
+
+
+@pytest.mark.parametrize("args, kwargs, param", [
+    (("interleaved", 2), {}, "name"),
+    (("uneven-pieces", 1), {}, "cp_size"),
+    (("uneven-pieces", 4), dict(piece_tokens=3), "piece_tokens"),
+    (("empty-document", 2), dict(piece_tokens=2), "piece_tokens"),
+    (("document-per-rank", 2), dict(layout="ring"), "layout"),
+    (("uneven-pieces", 2), dict(layout="zigzag"), "name"),
+    (("document-per-rank", 2), dict(layout="fla-zigzag", piece_tokens=5), "piece_tokens"),
+])
+def test_fragment_tables_refuse_what_cannot_be_laid_out(args, kwargs, param):
+    with pytest.raises(ValueError, match=f"^{param}"):
+        fragment_seqlens(*args, **kwargs)
