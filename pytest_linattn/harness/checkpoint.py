@@ -48,7 +48,7 @@ from ..parity import check_rtol
 from .cases import ParityCase, ShardedLayer, require_linattn_config, require_module_level
 from .checkpoint_rank import RankSave, save_on_rank
 from .checkpoint_report import Rows, row_table, shape_line, value_lines
-from .placement import Placement, as_cu_seqlens, positive_int
+from .placement import Placement, as_cu_seqlens, check_seed, positive_int
 from .sharded_parity import assert_parity_cases
 
 __all__ = ["CheckpointIO", "assert_checkpoint_round_trip"]
@@ -141,8 +141,7 @@ def assert_checkpoint_round_trip(spawn, layer: ShardedLayer, reference: torch.nn
     pairs = _check_sizes(sizes)
     cu = as_cu_seqlens(cu_seqlens)
     positive_int(hidden_size, "hidden_size")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     rtol = check_rtol(rtol)
     weight_rtol = rtol if weight_rtol is None else check_rtol(weight_rtol)
     gen = torch.Generator().manual_seed(seed)

@@ -50,7 +50,7 @@ from .cases import StatePath
 from .continuation_plans import SequencePlan, plan_cuts, schedule
 from .continuation_rank import RankContinuation, run_continuation_on_rank
 from .continuation_report import check_placement, field_names
-from .placement import Placement, as_cu_seqlens, check_one_stage
+from .placement import Placement, as_cu_seqlens, check_one_stage, check_placements, check_seed
 
 __all__ = ["SequencePlan", "StateInvisibleWarning", "assert_continuation_parity", "plan_cuts"]
 
@@ -91,13 +91,10 @@ def assert_continuation_parity(spawn, path: StatePath, reference: torch.nn.Modul
     lengths = [b - a for a, b in zip(bounds[:-1], bounds[1:])]
     positive_int(hidden_size, "hidden_size")
     rtol = check_rtol(rtol)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     if min(lengths) < 1:
         raise ValueError(f"cu_seqlens must hold no empty sequence, got {bounds}")
-    placements = list(placements)
-    if not placements or not all(isinstance(p, Placement) for p in placements):
-        raise ValueError("placements must be a non-empty sequence of Placement")
+    placements = check_placements(placements)
     for p in placements:
         check_one_stage(p, "the continuation check")
         if p.cp_layout != "contiguous" or p.sequence_parallel:

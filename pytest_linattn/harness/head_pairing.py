@@ -30,7 +30,7 @@ from linattn.heads import HEAD_PAIRINGS, key_head_of
 from ..parity import assert_parity, check_rtol
 from .cases import StatePath
 from .continuation_rank import decode_in_layout, default_decode, default_prefill, rank_coordinates
-from .placement import Placement, as_cu_seqlens
+from .placement import Placement, as_cu_seqlens, check_placements, check_seed
 from .sharded_parity_rank import load_shard, run_device
 
 __all__ = ["assert_head_pairing", "key_head_rows", "run_pairing_on_rank"]
@@ -82,11 +82,8 @@ def assert_head_pairing(spawn, path: StatePath, reference: torch.nn.Module, plac
         raise ValueError(f"config must have more value heads than key heads (num_v_heads={config.num_v_heads}, "
                          f"num_k_heads={config.num_k_heads}): with as many of each every pairing is the identity")
     rtol = check_rtol(rtol)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    placements = list(placements)
-    if not placements or not all(isinstance(p, Placement) for p in placements):
-        raise ValueError("placements must be a non-empty sequence of Placement")
+    check_seed(seed)
+    placements = check_placements(placements)
     for p in placements:
         if p.cp > 1 or p.sequence_parallel:
             raise ValueError(f"placement {p.name}: the head-pairing check runs TP placements (cp 1, no sequence "

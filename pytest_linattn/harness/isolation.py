@@ -31,6 +31,8 @@ import torch
 
 from linattn.checks import positive_int
 
+from .placement import check_seed
+
 __all__ = ["FEEDS", "PERTURBED_TOKENS", "PackedDocuments", "Perturbation", "assert_document_isolation"]
 
 FEEDS = ("cu_seqlens", "flash_kwargs", "position_ids", "attention_mask")
@@ -280,8 +282,7 @@ def _check_inputs(model_call, inputs, docs, feed, seed, token):
         raise ValueError("inputs must be finite and not all zeros (use fresh seeded random inputs)")
     if not callable(feed) and feed not in FEEDS:
         raise ValueError(f"feed must be one of {FEEDS} or a callable, got {feed!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     if token not in PERTURBED_TOKENS:
         raise ValueError(f"token must be one of {PERTURBED_TOKENS}, got {token!r}")
 

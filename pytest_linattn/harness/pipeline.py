@@ -50,7 +50,7 @@ from ..parity import check_rtol
 from .cases import PipelineStack
 from .pipeline_rank import RankPipeline, run_pipeline_on_rank, stage_layers
 from .pipeline_report import check_decode, check_train
-from .placement import Placement, as_cu_seqlens, check_fits
+from .placement import Placement, as_cu_seqlens, check_fits, check_placements, check_seed
 
 __all__ = ["assert_pipeline_decode_parity", "assert_pipeline_parity", "decode_counts", "stage_layers"]
 
@@ -148,11 +148,8 @@ def _check_arguments(stack, reference, placements, cu_seqlens, hidden_size, seed
                          f"{stack.num_layers}; not so: {outside}")
     cu = as_cu_seqlens(cu_seqlens)
     positive_int(hidden_size, "hidden_size")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
-    placements = list(placements)
-    if not placements or not all(isinstance(p, Placement) for p in placements):
-        raise ValueError("placements must be a non-empty sequence of Placement")
+    check_seed(seed)
+    placements = check_placements(placements)
     for p in placements:
         if p.pp > stack.num_layers:
             raise ValueError(f"Placement.pp must be at most the stack's num_layers={stack.num_layers} (a stage holds "

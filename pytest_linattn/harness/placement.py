@@ -35,6 +35,7 @@ This module imports no pytest.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 import torch
 
@@ -117,6 +118,21 @@ class Placement:
                              "no such layout (its layout='zigzag' cuts the whole batch: "
                              "Placement(cp_layout='fla-zigzag'))")
         return {"contiguous": "contiguous", "fla-zigzag": "zigzag"}[self.cp_layout]
+
+
+def check_seed(seed) -> int:
+    """ValueError unless seed is an int (a bool is not)."""
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed must be an int, got {seed!r}")
+    return int(seed)
+
+
+def check_placements(placements) -> list:
+    """The placements as a list; ValueError unless a non-empty sequence of Placement."""
+    placements = list(placements)
+    if not placements or not all(isinstance(p, Placement) for p in placements):
+        raise ValueError("placements must be a non-empty sequence of Placement")
+    return placements
 
 
 def check_one_stage(placement: Placement, check: str) -> None:

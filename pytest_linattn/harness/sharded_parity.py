@@ -55,8 +55,8 @@ import torch
 
 from ..parity import assert_parity
 from .cases import ParityCase, ShardedLayer
-from .placement import (LAYOUT_WORDS, LAYOUTS, Placement, as_cu_seqlens, check_fits, default_process_groups,
-                        padded_cu_seqlens, positive_int, rank_token_index, real_positions)
+from .placement import (LAYOUT_WORDS, LAYOUTS, Placement, as_cu_seqlens, check_fits, check_seed,
+                        default_process_groups, padded_cu_seqlens, positive_int, rank_token_index, real_positions)
 from .recompute import check_recompute, recompute_failures
 from .reruns import digest, kept
 from .sharded_parity_rank import RankCase, run_cases_on_rank
@@ -95,8 +95,7 @@ def assert_sharded_parity(spawn, layer: ShardedLayer, reference: torch.nn.Module
     recompute = check_recompute(recompute)
     cu = as_cu_seqlens(cu_seqlens)
     positive_int(hidden_size, "hidden_size")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     placements = list(placements)
     if not placements:
         raise ValueError("placements must hold at least one Placement")

@@ -37,7 +37,7 @@ from linattn.checks import positive_int
 from ..parity import assert_parity, check_rtol
 from .cases import DECODE_LAYOUTS, ShardedLayer, require_linattn_config, require_module_level
 from .continuation_report import field_names
-from .placement import Placement, as_cu_seqlens, check_one_stage
+from .placement import Placement, as_cu_seqlens, check_one_stage, check_seed
 from .state_handoff_rank import RankDecode, RankPrefill, run_decode_on_rank, run_prefill_on_rank
 from .state_pool_rank import rebuild_state
 
@@ -132,8 +132,7 @@ def assert_state_handoff_parity(spawn, path: StateHandoffPath, reference: torch.
     steps = positive_int(decode_steps, "decode_steps")
     positive_int(hidden_size, "hidden_size")
     rtol = check_rtol(rtol)
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
         raise ValueError(f"dtype must be a floating-point torch.dtype (the ranks'), got {dtype!r}")
     cu = as_cu_seqlens(cu_seqlens)

@@ -38,7 +38,7 @@ from linattn.checks import positive_int
 
 from ..parity import assert_parity, check_rtol
 from .cases import ShardedLayer, TrainingStep
-from .placement import Placement, as_cu_seqlens, check_fits, check_one_stage
+from .placement import Placement, as_cu_seqlens, check_fits, check_one_stage, check_seed
 from .recompute import check_recompute, training_recompute_failures
 from .sharded_parity import check_replicated
 from .training_step_rank import RankTraining, default_loss, run_training_on_rank
@@ -85,8 +85,7 @@ def assert_training_parity(spawn, layer: ShardedLayer, reference: torch.nn.Modul
     positive_int(data_parallel, "data_parallel")
     if output_size is not None:
         positive_int(output_size, "output_size")
-    if isinstance(seed, bool) or not isinstance(seed, int):
-        raise ValueError(f"seed must be an int, got {seed!r}")
+    check_seed(seed)
     placements = list(placements)
     if not placements or not all(isinstance(p, Placement) for p in placements):
         raise ValueError("placements must hold at least one Placement, and only Placements")
