@@ -362,9 +362,12 @@ def pytest_terminal_summary(terminalreporter, config):
     # The parity table and the report's lines follow: ParityRecorder's summary.
 
 
-def pytest_runtest_logstart(nodeid, location):
-    compile_log.test_started(nodeid)  # no-op without LINATTN_COMPILE_LOG
-
-
-def pytest_runtest_logfinish(nodeid, location):
-    compile_log.test_finished(nodeid)
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    # where the test runs (an xdist worker, not the controller that only reports it); no-op
+    # without LINATTN_COMPILE_LOG
+    compile_log.test_started(item.nodeid)
+    try:
+        return (yield)
+    finally:
+        compile_log.test_finished(item.nodeid)

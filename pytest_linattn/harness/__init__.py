@@ -26,7 +26,10 @@ pytest:
     spec_decode          verify calls of K drafts accepting j of them, against the serial run
                          (`SpecDecodePath`, `SpecPlan`, `assert_spec_decode_parity`)
     spec_decode_rank     ... and what each rank runs
+    spec_decode_report   ... its comparisons and reports
     spec_blocks          ... blocks at block boundaries (prefix caching with speculative decoding)
+    spec_drafter         ... a drafter with its own recurrent state, rolled back to the accepted prefix
+                         after every round (`SpecDrafter`)
     padded               padded batches `[B, T, hidden]` with an attention mask, left or right
                          padded, cut into calls (`PaddedStatePath`, `assert_padded_continuation_parity`)
     padded_rank          ... and what each rank runs
@@ -70,13 +73,14 @@ from .pipeline import assert_pipeline_decode_parity, assert_pipeline_parity
 from .placement import LAYOUTS, Placement, default_process_groups, rank_token_index
 from .shared_process import assert_layers_share_a_process
 from .sharded_parity import assert_parity_cases, assert_sharded_parity
-from .spec_decode import SpecDecodePath, SpecPlan, assert_spec_decode_parity
+from .spec_decode import SpecDecodePath, SpecDrafter, SpecPlan, assert_spec_decode_parity
 from .state_handoff import StateHandoffPath, assert_state_handoff_parity
 from .state_pool import StatePoolPath, assert_state_pool_parity
 from .training_step import assert_training_parity
 
 __all__ = ["LAYOUTS", "ParityCase", "Placement", "SequencePlan", "ShardedLayer", "StateInvisibleWarning", "StatePath",
-           "StatePoolPath", "assert_state_pool_parity", "SpecDecodePath", "SpecPlan", "assert_spec_decode_parity",
+           "StatePoolPath", "assert_state_pool_parity", "SpecDecodePath", "SpecDrafter", "SpecPlan",
+           "assert_spec_decode_parity",
            "PaddedStatePath", "assert_padded_continuation_parity", "assert_long_decode_parity",
            "long_decode_errors", "PackedDocuments", "assert_document_isolation", "StateHandoffPath",
            "assert_state_handoff_parity",

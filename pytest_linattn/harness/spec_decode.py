@@ -39,14 +39,14 @@ prefill call's tokens are split in contiguous pieces over them, as in the state-
 filler sequence, fresh, in a scratch slot after the others where they do not divide by cp); a
 verify call and its accept run whole on every rank (the layer's decode step). Every rank's slots
 are checked; a prefill token's output on the CP rank that held it, a verify call's on every CP
-rank. Blocks at every `block_size` committed tokens (prefix caching): `spec_blocks`. This module
-imports no pytest.
+rank. Blocks at every `block_size` committed tokens (prefix caching): `spec_blocks`. A drafter with
+a recurrent state of its own, proposing and rolling back beside the target (`drafter`):
+`spec_drafter`. The judge and its words: `spec_decode_report`. This module imports no pytest.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -55,16 +55,16 @@ from linattn.checks import positive_int
 
 from ..parity import check_rtol
 from .cases import ShardedLayer, require_module_level
-from .continuation_report import cp_view, field_names
+from .continuation_report import field_names
 from .placement import Placement
 from .spec_blocks import check_block_plans, check_spec_snapshots, with_block_snapshots
 from .spec_decode_rank import RankSpec, SpecCall, run_spec_on_rank
-from .serving_plans import (check_pool_placements, check_state_dtype_names, check_state_dtypes, describe_fillers,
-                            free_fill, rank_note, with_cp_fillers)
+from .spec_decode_report import check_spec_calls, describe_call
+from .spec_drafter import WHO, SpecDrafter, drafter_calls, drafter_path
+from .serving_plans import (check_pool_placements, check_state_dtype_names, check_state_dtypes, free_fill,
+                            with_cp_fillers)
 
-__all__ = ["SpecDecodePath", "SpecPlan", "assert_spec_decode_parity", "serial_run", "spec_schedule"]
-
-MAX_LISTED = 8  # failures listed per kind; the first (earliest call) is where it went wrong
+__all__ = ["SpecDecodePath", "SpecDrafter", "SpecPlan", "assert_spec_decode_parity", "serial_run", "spec_schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +133,9 @@ class SpecDecodePath:
         pool's type, fields `[N, ...]`): where each one continues from after the call.
     state_dtypes: {field name: torch.dtype}, the pool's dtype of those fields (e.g. {"recurrent":
         torch.float32} under bf16 ranks); the others in the ranks' dtype. Default None: all.
+    drafter: a `SpecDrafter` (`spec_drafter`): a draft model with its own recurrent state, run on the
+        same calls in a pool of its own, proposing and rolling back; checked against the serial run
+        of the check's `drafter_reference`. Default None: the target alone.
     """
 
     layer: ShardedLayer
@@ -145,6 +148,7 @@ class SpecDecodePath:
     slots_per_sequence: int = 1
     read_state: Callable | None = None
     state_dtypes: dict | None = dataclasses.field(default=None, hash=False)  # a dict: left out of the hash
+    drafter: SpecDrafter | None = None
 
     def __post_init__(self):
         if not isinstance(self.layer, ShardedLayer):
@@ -162,6 +166,8 @@ class SpecDecodePath:
             raise ValueError("SpecDecodePath.shard_state and unshard_state are given together "
                              "(or neither: tp = 1 only)")
         object.__setattr__(self, "state_dtypes", check_state_dtypes(self.state_dtypes, "SpecDecodePath"))
+        if self.drafter is not None and not isinstance(self.drafter, SpecDrafter):
+            raise ValueError(f"SpecDecodePath.drafter must be a SpecDrafter or None, got {type(self.drafter).__name__}")
         require_module_level(self)
 
 
@@ -169,12 +175,15 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
                               placements: Sequence[Placement], plans: Sequence[SpecPlan], *, num_draft: int,
                               hidden_size: int, seed: int, rtol: float, dtype: torch.dtype = torch.float64,
                               reference_forward: Callable | None = None, block_size: int | None = None,
-                              name: str = "") -> None:
+                              drafter_reference: torch.nn.Module | None = None,
+                              drafter_forward: Callable | None = None, name: str = "") -> None:
     """The client's verify-and-accept path at every placement (TP, CP, TP x CP) against the float64 serial run
     of `reference` (the module docstring). num_draft: K, the drafts of every verify call.
     reference_forward(reference, x, cu_seqlens, state) -> (y, final_state), as the continuation
     check's (state None: zeros). block_size: blocks at every B committed tokens (`spec_blocks`).
-    AssertionError naming the call, slot, sequence and token."""
+    drafter_reference, drafter_forward: the drafter's replicated layer and how to call it (as
+    reference's), with the path's `drafter` (`spec_drafter`) and only then.
+    AssertionError naming the call, slot, sequence and token (and field: the drafter's lines say so)."""
     __tracebackhide__ = True
     if not isinstance(path, SpecDecodePath):
         raise ValueError(f"path must be a SpecDecodePath, got {type(path).__name__}")
@@ -192,6 +201,12 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
         if pl.drafts is not None and 0 in pl.drafts and not path.bonus_token:
             raise ValueError(f"plans[{n}].drafts has a round of 0 drafts, which runs no token without the path's "
                              f"bonus_token (a row of 0 drafts runs its bonus token alone)")
+    if (path.drafter is None) != (drafter_reference is None):
+        raise ValueError("drafter_reference (the drafter's float64 replicated layer) is given with the path's "
+                         f"drafter, and only then: path.drafter is {'None' if path.drafter is None else 'set'}, "
+                         f"drafter_reference is {'None' if drafter_reference is None else 'set'}")
+    if drafter_forward is not None and path.drafter is None:
+        raise ValueError("drafter_forward is for the path's drafter; the path has none")
     placements = check_pool_placements(placements, path, "the spec-decode mode")
     if block_size is not None:
         check_block_plans(plans, num_draft, path.bonus_token, block_size)
@@ -202,7 +217,7 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     for length in lengths:
         bounds.append(bounds[-1] + length)
     x = torch.randn(1, bounds[-1], hidden_size, generator=gen, dtype=torch.float64)
-    forward = reference_forward or (lambda ref, x_, cu_, s: ref(x_, cu_, s, output_final_state=True))
+    forward = reference_forward or _forward
     serial_y, serial_states = serial_run(forward, reference, x, bounds)
     check_state_dtype_names(path, field_names(serial_states))
     N = len(plans)
@@ -223,22 +238,46 @@ def assert_spec_decode_parity(spawn, path: SpecDecodePath, reference: torch.nn.M
     pool = type(probe)(*fields) if hasattr(probe, "_fields") else type(probe)(fields)
     K = (num_draft, int(path.bonus_token))  # how a call's rows are described
     expected = [_expected(forward, reference, call, bounds, serial_y, serial_states, probe) for call in calls]
+    drafter = None
+    if path.drafter is not None:  # its own serial run and pool: the target's slots less blocks, random likewise
+        d_forward = drafter_forward or _forward
+        try:
+            d_y, d_states = serial_run(d_forward, drafter_reference, x, bounds)
+        except (RuntimeError, ValueError) as exc:  # a shape error: the drafter reads the target's inputs
+            raise ValueError(f"drafter_reference must take the target's inputs ([1, T, hidden_size] with hidden_size "
+                             f"{hidden_size}); its serial run failed: {exc}") from None
+        d_fields = [torch.randn((size,) + tuple(t.shape[2:]), generator=gen, dtype=torch.float64) for t in d_states]
+        for f in d_fields:
+            f[unheld] = free_fill(f[unheld])
+        drafter = dict(path=drafter_path(path), pool=_rebuild(d_states, d_fields), names=field_names(d_states),
+                       weights={k: t.detach() for k, t in drafter_reference.named_parameters()},
+                       expected=[_expected(d_forward, drafter_reference, call, bounds, d_y, d_states, d_states)
+                                 for call in calls])
     label = f"{name}/" if name else ""
     reports = []
     for p in placements:
         placed = with_cp_fillers(calls, p.cp, hidden_size, gen, scratch) if p.cp > 1 else calls
+        d_case = None if drafter is None else RankSpec(drafter["path"], p, drafter["weights"], drafter["pool"],
+                                                       drafter_calls(placed), dtype, drafter["names"])
         case = RankSpec(path, p, {k: t.detach() for k, t in reference.named_parameters()}, pool, placed, dtype,
-                        field_names(probe))
+                        field_names(probe), d_case)
         results = spawn(run_spec_on_rank, p.size, case)
         blocks = (check_spec_snapshots(p, path, plans, placed, snapshots, results, serial_states, pool, rtol,
-                                       lambda i, c: _describe_call(i, c, K), field_names(probe)) + (set(snapshots),)
+                                       lambda i, c: describe_call(i, c, K), field_names(probe)) + (set(snapshots),)
                   if snapshots else ([], [], ()))
-        report = _check(f"{label}{p.name}/seed{seed}", p, path, plans, placed, expected, results, rtol, K,
-                        field_names(probe), blocks)
-        if report:
-            reports.append(report)
+        reports.append(check_spec_calls(f"{label}{p.name}/seed{seed}", p, path, plans, placed, expected, results,
+                                        rtol, K, field_names(probe), blocks))
+        if drafter is not None:
+            reports.append(check_spec_calls(f"{label}{p.name}/seed{seed}, the drafter (its own state pool)", p,
+                                            drafter["path"], plans, d_case.calls, drafter["expected"],
+                                            [r["drafter"] for r in results], rtol, K, drafter["names"], who=WHO))
+    reports = [r for r in reports if r]
     if reports:
         raise AssertionError("\n\n".join(reports))
+
+
+def _forward(ref, x, cu_seqlens, state):
+    return ref(x, cu_seqlens, state, output_final_state=True)
 
 
 def serial_run(forward, reference, x, bounds):
@@ -321,82 +360,6 @@ def _expected(forward, reference, call, bounds, serial_y, serial_states, probe):
         kept.append(start + j)
     states = [f[rows, torch.tensor(kept)] for f in serial_states]
     return dict(y=y, states=states)
-
-
-def _describe_call(i, call, K) -> str:
-    """K: (num_draft, 1 with a bonus token else 0)."""
-    if call.kind == "prefill":
-        return (f"call {i} (prefill chunk {call.index + 1} of sequences {list(call.sequences)} in slots "
-                f"{list(call.slots)})")
-    num_draft, b = K
-    drafts = _drafts(call, K)
-    said = (f"{num_draft} drafts each" if set(drafts) == {num_draft} else f"drafts {drafts} (mixed)"
-            if 0 in drafts else f"drafts {drafts}")
-    return (f"call {i} (verify round {call.index + 1}: {'the next token and ' if b else ''}{said} of "
-            f"sequences {list(call.sequences)} in slots {list(call.slots)}, accepted {[a - b for a in call.accepted]})")
-
-
-def _drafts(call, K) -> list[int]:
-    """Each row's drafts in a verify call: its tokens less the bonus token."""
-    return [int(n) - K[1] for n in call.cu_seqlens.diff().tolist()]
-
-
-def _check(label, p, path, plans, calls, expected, results, rtol, K, names, blocks=([], [], ())) -> str:
-    """blocks: (wrong blocks, blocks changed after their call, the block slots) of `spec_blocks`."""
-    outputs, states, changed = [], [], list(blocks[1])
-    for r, result in enumerate(results):
-        for i, slot, field, diff in result["changed"]:
-            if slot in blocks[2]:  # a block: said by spec_blocks
-                continue
-            changed.append(f"{_describe_call(i, calls[i], K)} changed slot {slot}, which it did not schedule: field "
-                           f"{field}, max |change| {diff:.2e} (rank {r})")
-    for i, (call, exp) in enumerate(zip(calls, expected)):
-        cu = call.cu_seqlens.tolist()
-        scale = float(torch.linalg.vector_norm(exp["y"])) / math.sqrt(exp["y"].shape[1]) or 1.0
-        # a prefill call's tokens come from the CP rank that held them (judged once, on CP rank 0's
-        # view); a verify call runs whole on every rank (judged on each)
-        for c, t_rank in ((c, t) for c in range(p.cp if call.kind == "verify" else 1) for t in range(p.tp)):
-            y = cp_view([r["calls"][i] for r in results], "y", p, t_rank, c)
-            err = torch.linalg.vector_norm((y - exp["y"])[0], dim=-1) / scale
-            for k, (n, slot, start) in enumerate(zip(call.sequences, call.slots, call.starts)):
-                bad = torch.nonzero(~(err[cu[k]:cu[k + 1]] <= rtol)).flatten().tolist()
-                if bad:
-                    pos = bad[0]
-                    kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
-                    what = (f"token {start + pos}" if pos < kept else
-                            f"draft {pos + 1 - K[1]} of {cu[k + 1] - cu[k] - K[1]} (rejected; after token "
-                            f"{start + kept - 1})")
-                    outputs.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), {what}: "
-                                   f"output error {float(err[cu[k] + pos]):.1e} of the tokens' RMS norm"
-                                   + rank_note(p, t_rank, c, call.kind == "verify"))
-        for c in range(p.cp):  # the pool is whole on every CP rank: each rank's slots
-            per_rank = [results[t + p.tp * c]["calls"][i]["states"] for t in range(p.tp)]
-            got = per_rank[0] if p.tp == 1 else path.unshard_state(per_rank, p)
-            for k, (n, slot, start) in enumerate(zip(call.sequences, call.slots, call.starts)):
-                kept = cu[k + 1] - cu[k] if call.kind == "prefill" else call.accepted[k]
-                for field, a, e in zip(names, got, exp["states"]):
-                    err = float(torch.linalg.vector_norm(a[k].double() - e[k])) / (
-                        float(torch.linalg.vector_norm(e[k])) or 1.0)
-                    if not err <= rtol:
-                        after = f"after token {start + kept - 1}" if start + kept else "before its first token (zeros)"
-                        how = ("" if call.kind == "prefill" else
-                               f", {kept - K[1]} of {cu[k + 1] - cu[k] - K[1]} drafts accepted")
-                        states.append(f"{_describe_call(i, call, K)}: slot {slot}, sequence {n} ({plans[n]}), state "
-                                      f"{after}{how}: field {field} error {err:.1e}"
-                                      + (f" (cp_rank{c})" if p.cp > 1 else ""))
-    if not (outputs or states or changed or blocks[0]):
-        return ""
-    parts = [f"spec-decode parity failed for {label}: {len(outputs)} wrong output(s), {len(states)} wrong state(s), "
-             + (f"{len(blocks[0])} wrong block(s), " if blocks[0] else "")
-             + f"{len(changed)} unscheduled slot change(s)" + (f"\n{describe_fillers(calls).rstrip()}"
-                                                              if describe_fillers(calls) else "")]
-    for title, found in (("first wrong outputs (by call)", outputs), ("first wrong states (by call)", states),
-                         ("first wrong blocks (by call)", blocks[0]),
-                         ("slots changed without being scheduled", changed)):
-        if found:
-            parts.append(f"{title}:\n" + "\n".join(f"  {f}" for f in found[:MAX_LISTED])
-                         + (f"\n  ... and {len(found) - MAX_LISTED} more" if len(found) > MAX_LISTED else ""))
-    return "\n".join(parts)
 
 
 def _rebuild(like, fields):

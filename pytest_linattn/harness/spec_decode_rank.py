@@ -55,6 +55,7 @@ class RankSpec:
     calls: list
     dtype: torch.dtype
     names: list
+    drafter: RankSpec | None = None  # the path's drafter: its path, weights, pool and calls (run after the target)
 
 
 def run_spec_on_rank(case: RankSpec) -> dict:
@@ -63,7 +64,7 @@ def run_spec_on_rank(case: RankSpec) -> dict:
     rank runs ('decoded': a verify call's), the scheduled slots' state after it (this rank's shard,
     one row per sequence of the call), the blocks it wrote (block_size: slot -> state, each field
     `[1, ...]`), and the slots a call changed without scheduling them: (call index, slot, field,
-    max |change|)."""
+    max |change|). With a drafter, its run on its own pool as `drafter` (the same keys)."""
     p, device = case.placement, run_device()
     path, (module, pool) = case.path, rank_layer_and_pool(case, device)
     out, changed = [], []
@@ -103,5 +104,8 @@ def run_spec_on_rank(case: RankSpec) -> dict:
                     if not torch.equal(old[slot], new[slot]):
                         diff = float((old[slot] - new[slot]).abs().nan_to_num(float("inf")).max())
                         changed.append((i, slot, name, diff))
-    return dict(calls=out, changed=changed)
+    result = dict(calls=out, changed=changed)
+    if case.drafter is not None:
+        result["drafter"] = run_spec_on_rank(case.drafter)
+    return result
 

@@ -9,6 +9,7 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
                    runs Qwen3.5 (suites/clients/tp_decoder.py: each layer's MLP all-reduce deferred to the
                    next layer's input norm): the hidden state after each layer, then the final norm's
                    output, each its own case; the report says which are off and which right
+                   (bug_record.checks_model)
     cp-parity      assert_sharded_parity at CP 2, contiguous
     cp-short       assert_sharded_parity at CP 4 on 8 tokens: pieces of 2 < W-1 tokens
     cp-zigzag      assert_sharded_parity at CP 2 in the per-sequence zigzag layout (each sequence in 2 * cp
@@ -16,7 +17,7 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     cp-padded      assert_sharded_parity at CP 2, padded THD (zigzag over every sequence padded to a
                    multiple of 2 * cp; the lengths are not)
     oracle         the replicated layer against the HF-written composition over linattn.reference
-                   (suites/cpu/library/test_layer_math.py's oracle, recurrent mode)
+                   (suites/cpu/library/test_layer_math.py's oracle, recurrent mode; bug_record.checks_model)
     continuation   assert_continuation_parity at TP 2: chunked prefill and decode vs one forward
     continuation-fp32  the same with the ranks' layer in float32 (<= 1e-5)
     state-pool     assert_state_pool_parity at TP 2: the slot-pool client (suites/clients/state_pool.py),
@@ -45,6 +46,7 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     isolation      assert_document_isolation: the layers in a two-block decoder stack
                    (suites/clients/isolation.py) fed position_ids only, as a packing collator
                    gives them; one token of each document perturbed, the others bitwise unchanged
+                   (bug_record.checks_model, as checkpoint, checkpoint-fp8 and fresh-init)
     training-tp, training-cp  assert_training_parity: 2 micro-batches of one length and two
                    packings, 2 steps, clipping that bites, at TP 2 / CP 2
     checkpoint     assert_checkpoint_round_trip: saved at TP 2, loaded at TP 1, and saved at TP 1, loaded at
@@ -62,10 +64,14 @@ conv width 4), float64 unless a check says otherwise. Each check is the public o
     head-pairing-next  the same on a Qwen3-Next layer (qwen3_next layout, the record's sizes)
     shared-process assert_layers_share_a_process at TP 2: the record's layer and a second layer of another
                    key-head layout built in the same rank processes, then run (bug_record.checks_heads)
-    state-pool-blocks, state-pool-mixed, state-pool-admissions, spec-decode-blocks
+    state-pool-blocks, state-pool-mixed, state-pool-admissions, spec-decode-blocks, spec-decode-drafter
                    the serving options: block tables with a per-group hit, decode rows in the prefill
                    call, admissions with a rejected load, speculative decoding with blocks at block
-                   boundaries (bug_record.checks_serving)
+                   boundaries, and with a drafter of its own state beside the target
+                   (bug_record.checks_serving)
+    gate-gradients the GDN op entry's in-kernel gate (A_log, dt_bias) under strong decay: the gate input's,
+                   A_log's and dt_bias's gradients against float64, bf16 (<= 2e-2); the subject an op with
+                   kernels.gated_delta_rule's signature (suites/cases/gate_gradients.py)
     kernel         fla's kernel against the float64 reference in the entry's kernel test (a bug the
                    layers cannot reach); run by that test, never by `run`
 
@@ -80,22 +86,17 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
-from pathlib import Path
 
 import torch
 
 from cases.layer_parity import linattn_layer, linattn_state_path, make_config, random_state_dict
-from linattn.layers import GatedDeltaNet, build_layer
+from linattn.layers import build_layer
 from clients.padded import linattn_padded_path
 from pytest_linattn.harness import (Placement, SequencePlan, SpecPlan, TrainingStep, assert_continuation_parity,
                                     assert_padded_continuation_parity, assert_sharded_parity,
                                     assert_spec_decode_parity, assert_state_handoff_parity, assert_state_pool_parity,
                                     assert_training_parity)
-from pytest_linattn.harness.checkpoint import assert_checkpoint_round_trip
-from pytest_linattn.harness.fresh_init import assert_fresh_init_is_finite
 from pytest_linattn.harness.long_decode import assert_long_decode_parity
-from pytest_linattn.parity import assert_parity
 from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
 from clients.state_pool import linattn_pool_path
 
@@ -192,6 +193,10 @@ CHECKS = {
                              "admission, a rejected load rolled back)",
     "spec-decode-blocks": "speculative decoding with blocks (`assert_spec_decode_parity`, TP 2, `block_size` 4: "
                           "acceptance landing on block boundaries)",
+    "spec-decode-drafter": "speculative decoding with a drafter (`assert_spec_decode_parity`, TP 2, 3 drafts, "
+                           "`SpecDecodePath.drafter`: a draft layer's own state rolled back to the accepted prefix)",
+    "gate-gradients": "gate gradients at strong decay (`cases.gate_gradients`: dg, dA_log, ddt_bias of the GDN op, "
+                      "bf16, against float64)",
     "kernel": "fla's kernel against the float64 reference (`linattn.reference`), in its kernel test",
 }
 
@@ -215,39 +220,6 @@ def replicated_heads_reference():
 def _parity(spawn, layer, placement, cu, ref=None, config=CONFIG):
     assert_sharded_parity(spawn, layer or linattn_layer(config), ref or reference(), [placement], cu,
                           hidden_size=config.hidden_size, seed=SEED, rtol=RTOL, name="record")
-
-
-@functools.lru_cache(maxsize=1)
-def _layer_math():
-    """suites/cpu/library/test_layer_math.py (its oracle and packed inputs), loaded by path."""
-    path = Path(__file__).resolve().parent.parent / "cpu" / "library" / "test_layer_math.py"
-    spec = importlib.util.spec_from_file_location("record_layer_math", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def oracle(cls=None):
-    """test_replicated_layer_matches_reference_composition's check on the replicated layer of
-    class `cls` (default the project's): output, dx and every parameter gradient <= 1e-12."""
-    math_tests = _layer_math()
-    config = math_tests.make_config("qwen3_5", 2)
-    sd = math_tests.random_state_dict(config, SEED)
-    x, dy, cu = math_tests.packed_inputs(config, SEED)
-    layer = build_layer(config, dtype=torch.float64) if cls is None else cls(config, dtype=torch.float64)
-    layer.load_state_dict(sd)
-    x_layer = x.clone().requires_grad_()
-    y = layer(x_layer, cu)
-    (y * dy).sum().backward()
-    params = {n: t.clone().requires_grad_() for n, t in sd.items()}
-    x_oracle = x.clone().requires_grad_()
-    y_ref = math_tests.oracle_gated_deltanet(params, x_oracle, cu, config)
-    (y_ref * dy).sum().backward()
-    rtol = math_tests.MATH_RTOL
-    assert_parity(y, y_ref, rtol=rtol, name="qwen3_5-gva2 output", cu_seqlens=cu)
-    assert_parity(x_layer.grad, x_oracle.grad, rtol=rtol, name="qwen3_5-gva2 dx", cu_seqlens=cu)
-    assert_parity({n: p.grad for n, p in layer.named_parameters()}, {n: t.grad for n, t in params.items()},
-                  rtol=rtol, name="qwen3_5-gva2 grad")
 
 
 def state_path(layer=None, **fields):
@@ -316,83 +288,10 @@ def state_handoff(spawn, path=None, source=Placement(), targets=(Placement(tp=2)
                                 hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record")
 
 
-def checkpoint(spawn, io=None, quantized=False):
-    from clients.checkpoint import linattn_checkpoint_io
-    from clients.quantized_checkpoint import QUANTIZED_RTOL, quantized_checkpoint_io
-
-    default = quantized_checkpoint_io(CONFIG) if quantized else linattn_checkpoint_io(CONFIG)
-    assert_checkpoint_round_trip(spawn, linattn_layer(CONFIG), reference(), CU, io=io or default,
-                                 sizes=((2, 1), (1, 2)), hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
-                                 weight_rtol=QUANTIZED_RTOL if quantized else None, name="record")
-
-
-INIT_SEEDS = range(64)
-
-
-def fresh_init(cls=None):
-    """Every parameter of the layer class's fresh init finite, at a production head count (32 value
-    heads: a 1-in-256 draw per head shows within the seeds) on the record's small widths."""
-    config = dataclasses.replace(CONFIG, num_v_heads=32)
-    assert_fresh_init_is_finite(lambda dtype: (cls or GatedDeltaNet)(config, dtype=dtype), seeds=INIT_SEEDS,
-                                name="record")
-
-
 def long_decode(spawn, path=None):
     # one rank: a collective per decode step at TP costs more than it shows; TP is the short checks'
     assert_long_decode_parity(spawn, path or state_path(), reference(), [Placement(tp=1)], num_sequences=2, prefill=5,
                               steps=LONG_DECODE_STEPS, hidden_size=CONFIG.hidden_size, seed=SEED, rtol=FLOAT32_RTOL,
-                              name="record")
-
-
-STACK_LAYERS = 2
-
-
-@functools.lru_cache(maxsize=1)
-def stack_reference():
-    """The replicated decoder stack of the record's layer (suites/clients/tp_decoder.py), seeded."""
-    from clients.tp_decoder import stack_reference as make
-
-    return make(CONFIG, STACK_LAYERS, SEED)
-
-
-def decoder_stack(spawn, stack_class=None):
-    """TP 2 parity of a decoder stack of `stack_class` (a planted TPDecoderStack; None: the client's):
-    the hidden state after each layer, then the final norm's output, each its own
-    assert_sharded_parity case. AssertionError naming the outputs that are off and those right,
-    then each off one's report."""
-    from clients.tp_decoder import TPDecoderStack, reference_forward, tp_decoder_stack
-
-    outputs = [(f"the hidden state after layer {k} of {STACK_LAYERS}", f"after-layer-{k}-of-{STACK_LAYERS}", k)
-               for k in range(1, STACK_LAYERS + 1)] + [("the output", "output", None)]
-    off, right, reports = [], [], []
-    for words, tag, k in outputs:
-        layer = tp_decoder_stack(CONFIG, stack_class or TPDecoderStack, layers=STACK_LAYERS, hidden_state_after=k)
-        try:
-            assert_sharded_parity(spawn, layer, stack_reference(), [Placement(tp=2)], CU,
-                                  hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL,
-                                  reference_forward=reference_forward(k), name=f"record/stack/{tag}")
-            right.append(words)
-        except AssertionError as exc:
-            off.append(words)
-            reports.append(str(exc))
-    if off:
-        raise AssertionError(f"decoder stack of {STACK_LAYERS} layers at TP 2: off: {', '.join(off)}; right: "
-                             f"{', '.join(right) or 'none'}\n\n" + "\n\n".join(reports))
-
-
-ISOLATION_DOCUMENTS = [6, 5, 7]  # each longer than the conv's reach (W - 1 = 3 tokens)
-
-
-def isolation(stack_class=None):
-    """The document-isolation check on a decoder stack of the record's layer (`stack_class` a
-    planted decoder), boundaries fed as position_ids only."""
-    from clients.isolation import DecoderStack, stack_call
-    from pytest_linattn.harness import assert_document_isolation
-
-    stack = (stack_class or DecoderStack)(CONFIG, seed=SEED)
-    gen = torch.Generator().manual_seed(SEED)
-    x = torch.randn(1, sum(ISOLATION_DOCUMENTS), CONFIG.hidden_size, generator=gen, dtype=torch.float64)
-    assert_document_isolation(stack_call(stack), x, ISOLATION_DOCUMENTS, feed="position_ids", seed=SEED,
                               name="record")
 
 
@@ -417,8 +316,10 @@ def run(spawn, check, subject=None):
         return _parity(spawn, subject, Placement(tp=2), CU)
     if check == "tp-replicated":
         return _parity(spawn, subject, Placement(tp=4), CU, replicated_heads_reference(), REPLICATED_CONFIG)
-    if check == "tp-stack":
-        return decoder_stack(spawn, subject)
+    if check in ("oracle", "tp-stack", "isolation", "checkpoint", "checkpoint-fp8", "fresh-init"):
+        from bug_record import checks_model
+
+        return checks_model.run(check, spawn, subject)
     if check == "cp-parity":
         return _parity(spawn, subject, Placement(cp=2), CU)
     if check == "cp-short":
@@ -427,8 +328,6 @@ def run(spawn, check, subject=None):
         return _parity(spawn, subject, Placement(cp=2, cp_layout="zigzag"), CU_ZIGZAG)
     if check == "cp-padded":
         return _parity(spawn, subject, Placement(cp=2, cp_layout="zigzag-padded"), CU)
-    if check == "oracle":
-        return oracle(subject)
     if check == "continuation":
         return continuation(spawn, subject)
     if check == "continuation-fp32":
@@ -453,8 +352,6 @@ def run(spawn, check, subject=None):
         return long_decode(spawn, subject)
     if check == "padded":
         return padded(spawn, subject)
-    if check == "isolation":
-        return isolation(subject)
     if check == "recompute":
         return assert_sharded_parity(spawn, subject or linattn_layer(CONFIG), reference(), [Placement(tp=2)], CU,
                                      hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, name="record",
@@ -463,10 +360,6 @@ def run(spawn, check, subject=None):
         return training(spawn, subject, Placement(tp=2))
     if check == "training-cp":
         return training(spawn, subject, Placement(cp=2))
-    if check in ("checkpoint", "checkpoint-fp8"):
-        return checkpoint(spawn, subject, quantized=check == "checkpoint-fp8")
-    if check == "fresh-init":
-        return fresh_init(subject)
     if check in ("pp-parity", "pp-decode"):
         from bug_record.checks_pipeline import pipeline_decode, pipeline_parity
 
@@ -478,10 +371,15 @@ def run(spawn, check, subject=None):
             return checks_heads.shared_process(spawn, subject)
         config = checks_heads.NEXT_CONFIG if check == "head-pairing-next" else CONFIG
         return checks_heads.head_pairing(spawn, subject, config)
-    if check in ("state-pool-blocks", "state-pool-mixed", "state-pool-admissions", "spec-decode-blocks"):
+    if check in ("state-pool-blocks", "state-pool-mixed", "state-pool-admissions", "spec-decode-blocks",
+                 "spec-decode-drafter"):
         from bug_record import checks_serving
 
         return checks_serving.run(spawn, check, subject)
+    if check == "gate-gradients":
+        from cases.gate_gradients import assert_gate_gradients
+
+        return assert_gate_gradients(subject, dtype=torch.bfloat16, decay="strong")
     if check == "kernel":
         raise ValueError("the kernel check runs in the entry's kernel test (registry.Bug.kernel_test), not here")
     raise ValueError(f"unknown check {check!r}; the checks: {sorted(CHECKS)}")

@@ -12,6 +12,9 @@ spec-decode check's blocks), at the record's sizes (`bug_record.checks`: its lay
     spec-decode-blocks     assert_spec_decode_parity with blocks of 4, 3 drafts: a scripted acceptance
                            landing on block boundaries, crossing one inside a round, a prefill chunk ending
                            on one
+    spec-decode-drafter    assert_spec_decode_parity with a drafter (`SpecDecodePath.drafter`): a smaller GDN
+                           layer (DRAFT_CONFIG, its own weights) as a draft context with a slot per sequence
+                           (suites/clients/spec_drafter.py) beside the spec-decode check's client, on its plans
 
 `run(spawn, check, subject)`: as `checks.run` (which hands these over; their words are in
 `checks.CHECKS`).
@@ -21,8 +24,10 @@ from __future__ import annotations
 
 import torch
 
-from bug_record.checks import CONFIG, RTOL, SEED, reference
-from clients.spec_decode import linattn_block_spec_path
+from bug_record.checks import CONFIG, RTOL, SEED, SPEC_DRAFTS, SPEC_PLANS, reference
+from cases.layer_parity import make_config, replicated_layer
+from clients.spec_decode import linattn_block_spec_path, linattn_spec_path
+from clients.spec_drafter import with_drafter
 from clients.state_pool import linattn_block_pool_path, linattn_load_back_path, linattn_pool_path
 from pytest_linattn.harness import Placement, SequencePlan, SpecPlan, assert_spec_decode_parity, \
     assert_state_pool_parity
@@ -45,7 +50,11 @@ REJECTED = {2: (0, 4)}
 SPEC_BLOCK_PLANS = (SpecPlan((2,), (2, 3, 1)), SpecPlan((4,), (3, 1)), SpecPlan((3,), (3, 0, 2)))
 SPEC_BLOCK_DRAFTS = 3
 
-NAMES = ("state-pool-blocks", "state-pool-mixed", "state-pool-admissions", "spec-decode-blocks")  # in checks.CHECKS
+# a drafter: the record's layer family with half its value heads, its own weights
+DRAFT_CONFIG = make_config("qwen3_5", 1)
+
+NAMES = ("state-pool-blocks", "state-pool-mixed", "state-pool-admissions", "spec-decode-blocks",
+         "spec-decode-drafter")  # in checks.CHECKS
 
 
 def cu_of(plans, hits):
@@ -57,6 +66,12 @@ def _pool(spawn, path, plans, hits, **options):
     assert_state_pool_parity(spawn, path, reference(), [Placement(tp=2)], cu_of(plans, hits), plans=plans,
                              hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, max_live=2, capture_sizes=(4,),
                              block_size=BLOCK, prefix_hits=hits, name="record", **options)
+
+
+def drafter_spec_path(**fields):
+    """The spec-decode check's client with linattn's drafter of DRAFT_CONFIG (`fields`: a planted propose
+    or rollback)."""
+    return with_drafter(linattn_spec_path(CONFIG), DRAFT_CONFIG, **fields)
 
 
 def run(spawn, check, subject=None):
@@ -71,5 +86,10 @@ def run(spawn, check, subject=None):
         return assert_spec_decode_parity(spawn, subject or linattn_block_spec_path(CONFIG), reference(),
                                          [Placement(tp=2)], SPEC_BLOCK_PLANS, num_draft=SPEC_BLOCK_DRAFTS,
                                          hidden_size=CONFIG.hidden_size, seed=SEED, rtol=RTOL, block_size=BLOCK,
+                                         name="record")
+    if check == "spec-decode-drafter":
+        return assert_spec_decode_parity(spawn, subject or drafter_spec_path(), reference(), [Placement(tp=2)],
+                                         SPEC_PLANS, num_draft=SPEC_DRAFTS, hidden_size=CONFIG.hidden_size, seed=SEED,
+                                         rtol=RTOL, drafter_reference=replicated_layer(DRAFT_CONFIG, SEED + 1),
                                          name="record")
     raise ValueError(f"unknown serving check {check!r}; the serving checks: {list(NAMES)}")

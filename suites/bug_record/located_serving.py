@@ -10,7 +10,7 @@ import re
 import torch
 
 from bug_record import checks_serving as V
-from bug_record.checks import CONFIG
+from bug_record.checks import CONFIG, SEED, SPEC_DRAFTS, SPEC_PLANS
 from pytest_linattn.harness.serving_plans import pool_schedule
 from pytest_linattn.harness.spec_blocks import landed
 
@@ -119,3 +119,20 @@ def copied_back_on_a_landed_boundary():
                                f"the round's acceptance landed) in slot ") + r"\d+"
             + r" is not the state there: field conv error \S+; "
             + re.escape(f"it holds the state at token {start} (the state the call started from)"))
+
+
+def drafter_kept_the_rejected_drafts():
+    """PrismML llama.cpp #174's plant: the target is right (the report is the drafter's alone); the
+    first round that rejects a draft, its first sequence that did: the drafter's state after the
+    accepted tokens holds the rejected drafts too."""
+    plans, K = SPEC_PLANS, SPEC_DRAFTS
+    r, n = min((r, n) for n, pl in enumerate(plans) for r in range(len(pl.accepted))
+               if pl.accepted[r] < pl.drafts_of(r, K))
+    call = max(len(pl.chunks) for pl in plans) + r
+    start = sum(plans[n].chunks) + sum(plans[n].accepted[:r])
+    j, d = plans[n].accepted[r], plans[n].drafts_of(r, K)
+    return (r"\A" + re.escape(f"spec-decode parity failed for record/tp2/seed{SEED}, the drafter (its own state "
+                              f"pool):") + r"[\s\S]*?"
+            + re.escape(f"call {call} (verify round {r + 1}: {K} drafts each of sequences ") + r"[^\n]*?\): "
+            + re.escape(f"slot {len(plans) - n}, sequence {n} ({plans[n]}), the drafter's state after token "
+                        f"{start + j - 1}, {j} of {d} drafts accepted: field conv error"))

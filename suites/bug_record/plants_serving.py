@@ -1,8 +1,8 @@
 """Planted bugs of the serving options (`pytest_linattn.harness.pool_modes`, the spec-decode
-check's blocks): wrappers around the project's clients (suites/clients/state_pool.py,
-suites/clients/spec_decode.py), each carrying one mechanism of a public report. Module-level:
-spawn's ranks get them by reference. Each is seen by the state-pool check's option it names, or
-by the spec-decode check with `block_size`.
+check's blocks and drafter): wrappers around the project's clients (suites/clients/state_pool.py,
+suites/clients/spec_decode.py, suites/clients/spec_drafter.py), each carrying one mechanism of a
+public report. Module-level: spawn's ranks get them by reference. Each is seen by the state-pool
+check's option it names, or by the spec-decode check with `block_size` or with a drafter.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from clients.spec_decode import block_accept
+from clients.spec_drafter import draft_seq_rm
 from clients.state_pool import block_of, pool_prefill, published, restored_slots
 
 # ---- block tables (StatePoolPath.block_tables) ------------------------------------------------------
@@ -101,3 +102,15 @@ def accept_copying_back_on_a_landed_boundary(module, pool, slots, num_accepted_t
         f[slots[landed]] = old[landed]
         f[snapshot_slots[landed]] = old[landed]
 
+
+
+# ---- a drafter's rollback (SpecDecodePath.drafter) --------------------------------------------------
+
+
+def rollback_of_a_context_without_checkpoints(module, pool, slots, num_accepted_tokens, placement):
+    """PrismML llama.cpp #174 (a draft context's rollback): the draft context was built with
+    n_rs_seq = 0, so it keeps no recurrent-state checkpoint to go back to; its removal of the
+    rejected positions (llama_memory_seq_rm) fails wherever a draft was rejected, nobody checks the
+    result, and the slot keeps the state after every token of the round: the next round proposes
+    from stale positions. Where every draft was accepted there is nothing to remove."""
+    draft_seq_rm(module, pool, slots, num_accepted_tokens, n_rs_seq=0)  # False where a draft was rejected

@@ -47,6 +47,7 @@ from collections.abc import Callable
 from bug_record import located as where
 from bug_record import plants_checkpoint as C
 from bug_record import checks_heads as CH
+from bug_record import plants_gate as PG
 from bug_record import plants_heads as PH
 from bug_record import plants_handoff as H
 from bug_record import plants_layer as L
@@ -66,7 +67,7 @@ from clients.spec_decode import linattn_row_spec_path, linattn_spec_path
 from clients.state_pool import linattn_pool_path
 from bug_record import located_serving as where_serving
 from bug_record import plants_serving as SV
-from bug_record.checks_serving import BLOCK as SERVING_BLOCK
+from bug_record.checks_serving import BLOCK as SERVING_BLOCK, drafter_spec_path
 from clients.spec_decode import linattn_block_spec_path
 from clients.state_pool import linattn_block_pool_path, linattn_load_back_path
 
@@ -352,7 +353,24 @@ BUGS = (
         kernel_test="suites/fla-interpret/test_padded_tail_gradients.py::test_padded_tail_outputs_and_gradients_are_zeros",
         repro="suites/live_bugs/fla_varlen_padded_tail_unwritten.py",
         fidelity="faithful", fidelity_note=("fla 0.6.0's own chunk_gated_delta_rule, live (part 1 of the report; its "
-            "part 2, the fused backward's gate-gradient cancellation, is not planted)")),
+            "part 2, the fused backward's gate-gradient cancellation, is entry flashqla-28-gate-gradients)")),
+    Bug("flashqla-28-gate-gradients", "N32", (gh("QwenLM/FlashQLA", 28, "pull"),),
+        "the fused GDN backward forms each chunk's gate gradient as the row sum of (dA*A) - (dA*A)^T over the gated "
+        "pair products, the transposed copy stored through bf16 shared memory: the diagonal's O(1) terms (decay "
+        "exp(0) = 1) no longer cancel, and under strong Qwen decay (exp(A_log) up to 16, gate input + dt_bias "
+        "about 1: log decay down to -45 a token), where a fast head's true gate gradient is tiny, the rounding "
+        "residue is all that is left; A_log's and dt_bias's gradients, its sums over the head's tokens (times "
+        "|g_t| for A_log), come out O(1) off while the forward matches", "other (training precision)", "No",
+        "gate-gradients", _cls(PG.gated_delta_rule_with_a_bf16_transposed_gate_gradient), "everywhere",
+        located=PG.located(),
+        gpu_test="suites/gpu-1/test_gate_gradients_gpu1.py::test_gate_gradients_at_strong_decay",
+        fidelity="moved", fidelity_note=("the cancellation lived in FlashQLA's fused TileLang backward "
+            "(flash_qla/ops/gated_delta_rule/chunk/*/fused_bwd.py: sum((dA*A) - (dA*A)^T) with the transpose "
+            "through bf16 shared memory; fixed by moving the float32 bits through as two 16-bit halves); planted in "
+            "the test tree (suites/bug_record/plants_gate.py) as linattn's float32 chunked GDN whose intra-chunk "
+            "decay exp(G_i - G_j) has a backward of that form, bf16 inputs at the bf16 bound. fla never runs an "
+            "in-kernel gate on FlashQLA: the GPU test checks fla's own Triton backward at the same decay, and runs "
+            "the plant on CUDA tensors")),
     Bug("fla-871-1138", "21", (gh("fla-org/flash-linear-attention", 871),
                                gh("fla-org/flash-linear-attention", 1138), gh("ggml-org/llama.cpp", 18761)),
         "the conv backward read dy with hard-coded contiguous strides: wrong dx / dh0 for a non-contiguous dy",
@@ -477,6 +495,17 @@ BUGS = (
         located=where.handed_off(H.handoff_merging_conv_in_one_shot, Placement(tp=2), Placement(), 0),
         fidelity="faithful", fidelity_note=("in the project's handoff client (suites/clients/state_handoff.py), TP 2 "
             "to TP 1, not sglang's transfer code")),
+    Bug("prismml-llama-cpp-174", "N4", (gh("PrismML-Eng/llama.cpp", 174),),
+        "the draft context was built with n_rs_seq = 0 (no recurrent-state checkpoints), so its llama_memory_seq_rm() "
+        "of the rejected draft positions silently failed and the drafter kept stale positions into the next round "
+        "(every drafter type)", "MTP / spec decode", "No", "spec-decode-drafter",
+        functools.partial(drafter_spec_path, rollback=SV.rollback_of_a_context_without_checkpoints), "stateful",
+        located=where_serving.drafter_kept_the_rejected_drafts(),
+        fidelity="moved", fidelity_note=("llama.cpp's draft context (its recurrent memory built with n_rs_seq = 0, "
+            "the failed removal unchecked by the speculative-decoding loop); planted in the project's drafter client "
+            "(suites/clients/spec_drafter.py): a draft context that keeps no checkpoint, its rollback's removal "
+            "failing wherever a draft was rejected; the report's second part, DRAFT_SIMPLE missing from "
+            "need_n_rs_seq(), is the same observable and not planted apart")),
     Bug("vllm-56531", "N5", (gh("vllm-project/vllm", 56531, "pull"), gh("vllm-project/vllm", 40875),
                              gh("vllm-project/vllm", 55504, "pull"), gh("vllm-project/vllm", 39273)),
         "in a batch mixing speculative rows with rows that drafted nothing, the undrafted rows took the non-spec "
@@ -732,10 +761,6 @@ class NotYet:
 
 # the record's second half (2026-12 search) not planted yet, each with the check or the machine it needs
 NOT_YET = (
-    NotYet("N4", (gh("PrismML-Eng/llama.cpp", 174),), "the draft context's sequence removal silently failed and "
-           "kept stale draft positions", "a draft model's own state checked beside the target's: the spec-decode "
-           "check runs one model's verify and accept, and a drafter's rollback planted on it is the target's "
-           "observable (spec-decode-verify's), not the drafter's"),
     NotYet("N6", (gh("vllm-project/vllm", 55504, "pull"),), "ROCm AITER's non-spec decode ignored the accepted-token "
            "offset after a spec step", "nothing more: the same observable as vllm-56531, whose entry lists it"),
     NotYet("N25", (gh("state-spaces/mamba", 1015),), "int32 pointer arithmetic in the SSD kernels past ~61K tokens",
@@ -749,8 +774,6 @@ NOT_YET = (
     NotYet("N29", (gh("fla-org/flash-linear-attention", 826, "pull"),), "Hopper + Triton >= 3.4 miscompiles a "
            "transposed wgmma tensor in the GDN backward", "fla 0.6.0 refuses that backward on Hopper with Triton 3.6; "
            "a Triton where it runs"),
-    NotYet("N32", (gh("QwenLM/FlashQLA", 28),), "the fused backward's gate-gradient cancellation under strong decay",
-           "fla's fused backward compared at strong decay on a GPU"),
 )
 
 

@@ -200,7 +200,7 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
     caught = [b for b in BUGS if b.suite == "cpu" and rows.get(b.key, {}).get("outcome") == "caught"]
     kernel = [b for b in BUGS if b.suite != "cpu" and rows.get(b.key, {}).get("outcome") == "caught"]
     live = [b for b in BUGS if rows.get(b.key, {}).get("outcome") == "live"]
-    on_gpu = [b for b in BUGS if b.gpu_test and b.key not in {k.key for k in kernel + live}
+    on_gpu = [b for b in BUGS if b.gpu_test and b.key not in {k.key for k in caught + kernel + live}
               and gpu_rows.get(b.gpu_test.partition("::")[2], {}).get("outcome") == ("xfail" if b.repro else "caught")]
     lines = [
         "# The bug record",
@@ -280,6 +280,8 @@ def render(rows: dict[str, dict], seconds: float, date: str, commit: str, gpu=({
                          f"([live bugs](live-bugs.md))")
             elif row["outcome"] == "caught":
                 where += " (the plant applied in the test; the unplanted kernel passes)"
+            where += f"; {_cell(_gpu_cell(b, gpu_rows, gpu_run))}"
+        elif b.gpu_test:  # a CPU row whose check also runs on fla's compiled kernels
             where += f"; {_cell(_gpu_cell(b, gpu_rows, gpu_run))}"
         check += _cell(_engine_cell(b, engine_cases))
         fidelity = f"*{b.fidelity}*" + (f": {_cell(b.fidelity_note)}" if b.fidelity_note else "")

@@ -77,12 +77,22 @@ def run_family(spawn, family, seed, placements=PLACEMENTS, dtype=DTYPE):
 # 13 to 16 of 26 parameter gradients (3e-2 to 1.0: the token-mix vectors, k_k, r_proj, the w / a
 # adapters) are not; TP 4 and both contiguous placements pass, and GDN-2 passes in fla's zigzag
 # layout on the same conv CP path. Under the emulation the same client matches the float64 layer
-# to 1e-15 at every placement, so the difference lies in fla's kernels' zigzag CP backward (the
-# DPLR state's, or the width-2 conv's that carries the token shift): not located further.
+# to 1e-15 at every placement. Located on a CPU with fla's kernels interpreted
+# (suites/fla-interpret/test_rwkv7_zigzag_cp.py, repro suites/live_bugs/fla_rwkv7_zigzag_cp_backward.py):
+# the DPLR op's backward. Zigzag's compress_h0 saves the CP initial state as the two rows [0,
+# front_num_seqs]; ChunkDPLRDeltaRuleFunction.backward expands it only when it has one row, so its
+# recomputation (chunk_dplr_fwd_h) starts local sequence i from row i, and from memory past the
+# buffer for i >= 2. This packing's ranks holding more than two sequence pieces (CP 4: ranks 0 and
+# 1, 8 and 13 pieces; TP 2 x CP 2: CP rank 0, 19) recompute those states from other tensors' memory,
+# and their r / w / a / b gradients with them. The width-2 conv's zigzag CP path is exact. The client
+# itself at CP 2 fla-zigzag, interpreted, float32 (head dim 16; 2026-12-06): output right, dx and 13
+# parameter gradients NaN (x_r, x_w, x_k, x_a, k_k, r_proj, k_proj, the w / a adapters); with
+# compress_h0 the identity in fla's dplr chunk module, all 28 tensors within 1e-4.
 RWKV7_ZIGZAG = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "fla's kernels in fla's zigzag CP layout (CP 4; TP 2 x CP 2): RWKV-7's dx and 13 to 16 parameter gradients "
-    "off by 0.03 to 1.0, outputs right (2026-12-03, H200); the emulation matches at 1e-15: not located between "
-    "fla's DPLR and conv CP backwards"))
+    "fla 0.6.0's DPLR backward in fla's zigzag CP layout (CP 4; TP 2 x CP 2): compress_h0 saves the initial "
+    "state as rows [0, front_num_seqs], ChunkDPLRDeltaRuleFunction.backward expands it only when it has one row, "
+    "so its recompute (chunk_dplr_fwd_h) starts local sequence i from row i (past the buffer for i >= 2): "
+    "RWKV-7's dx and 13 to 16 parameter gradients off by 0.03 to 1.8, outputs right (2026-12-03, H200)"))
 
 
 # family -> its seed: the families fla runs forward and backward on Hopper (those not yet run on a GPU

@@ -98,17 +98,29 @@ LIVE_BUGS = (
         shows=r"received cu_seqlens=None[\s\S]*relative error [1-9]\.\d+e(\+\d\d|-0[0-2])"),
     LiveBug(
         "fla-rwkv7-zigzag-backward", "flash-linear-attention==0.6.0",
-        "`chunk_rwkv7` with a CP context (`fla/ops/rwkv7/chunk.py:14`), its backward in fla's zigzag layout: not "
-        "located between the DPLR state's CP path (`fla/ops/generalized_delta_rule/dplr/chunk.py:100`) and the "
-        "conv's zigzag CP backward (`fla/modules/causal_conv1d/cp.py:132`)",
-        "RWKV-7 client in fla's zigzag layout (CP 4; TP 2 x CP 2): outputs right, dx and 13 to 16 of 26 parameter "
-        "gradients off in bf16, in float32 too (dx 0.75, x_w 1.81 against 5e-3); TP 4 and the contiguous layouts "
-        "pass; under the emulation the same client matches at 1e-15",
-        "suites/gpu-4/test_fla_families_gpu4.py::test_fla_family_float32_matches_float64[rwkv7-tp2/cp2-fla-zigzag]",
+        "`ChunkDPLRDeltaRuleFunction.backward` (`fla/ops/generalized_delta_rule/dplr/chunk.py:293`: `expand_h0` only "
+        "when the saved CP initial state has one row) after zigzag's `compress_h0` (`fla/ops/cp/chunk_delta_h.py:274`: "
+        "rows [0, front_num_seqs]); its recompute `chunk_dplr_fwd_h` reads row i for local sequence i "
+        "(`dplr/chunk_h_fwd.py:77`), past the 2-row buffer for i >= 2",
+        "chunk_rwkv7 at CP 2 in fla's zigzag layout, fla's kernels interpreted, against one rank without CP: outputs "
+        "right, dr / dw / da / db NaN, Inf or ~1e5 on both ranks (4 sequence pieces each: the bytes past the buffer), "
+        "local sequence 1's dr 0.6 off; with compress_h0 the identity all within 1e-4. On GPUs the RWKV-7 client in "
+        "fla's zigzag layout (CP 4; TP 2 x CP 2): dx and 13 to 16 of 26 parameter gradients off, in float32 too "
+        "(dx 0.75, x_w 1.81 against 5e-3)",
+        "suites/fla-interpret/test_rwkv7_zigzag_cp.py::test_rwkv7_zigzag_cp2_matches_one_rank",
         "latent (no caller)",
         "fla 0.6.0's own RWKV7Attention passes chunk_rwkv7 no CP context; only a client that shards RWKV-7 over "
-        "fla's CP (the project's, suites/clients/rwkv7.py, written as a team would) reaches this backward",
-        gpu_evidence="RWKV-7 at TP 2 x CP 2 fla-zigzag in float32 fails too"),
+        "fla's CP (the project's, suites/clients/rwkv7.py, written as a team would) reaches this backward, and only "
+        "in the zigzag layout on a rank holding more than two sequence pieces; disable_recompute=True avoids it",
+        repro="suites/live_bugs/fla_rwkv7_zigzag_cp_backward.py",
+        repro_note="fla's kernels under Triton's interpreter on a CPU, with linattn's interpreter patches (compiled "
+                   "on CUDA), 2 ranks over gloo with fla's CP all-gather staged through host memory; the reads past "
+                   "the buffer give NaN / Inf here, other tensors' values on a GPU",
+        shows=r"rank 0, local cu_seqlens \[0, 5, 9, 16, 32\], front piece 3 sequences: o \d\.\d+e-0[5-9], "
+              r"dr (nan|inf|[1-9]\.\d+e(\+\d\d|-0[0-2]))[\s\S]*?backward \[2, 1, 16, 16\]; dr per local sequence: "
+              r"0 \d\.\d+e[-+]\d\d, 1 [1-9]\.\d+e-0[1-2][\s\S]*?the full state saved\):\n  rank 0: o "
+              r"\d\.\d+e-0[5-9], dr \d\.\d+e-0[5-9]",
+        line=r"rank 0, local cu_seqlens"),
     LiveBug(
         "fla-fused-recurrent-kda-ssm-state-indices", "flash-linear-attention==0.6.0",
         "public `fused_recurrent_kda` (`fla/ops/kda/fused_recurrent.py:338`): no `ssm_state_indices` parameter, "

@@ -18,16 +18,28 @@ from pytest_linattn.harness.scale import ScaleShape, assert_delta_rule_at_scale 
 pytestmark = pytest.mark.gpus(1)
 
 PAST_INT32 = (1 << 19) + (1 << 12)  # 528,384 tokens: with 32 heads of 128, 2**31 + 2**24 elements
+PAST_64K = (1 << 17) + (1 << 12)  # 135,168 tokens: past fla #906's 65,536
+QWEN35_4B = dict(heads=16, v_heads=32)  # Qwen3.5-4B's linear attention: 16 key heads, 32 value heads of 128
+KIMI = dict(heads=32, v_heads=32, per_channel_decay=True)  # Kimi Linear's KDA: 32 heads of 128
+BIG_GPU = 120 * 2**30  # the backward past 2**31 holds more than an 80 GB card (measured on an H100: out of memory)
 CASES = [
-    # Qwen3.5-4B's linear attention (16 key heads, 32 value heads of 128): fla #1080's 524,288 tokens
-    ("chunk_gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_INT32, heads=16, v_heads=32)),
-    # Kimi Linear's KDA (32 heads of 128): q, k, v and g each past 2**31 elements
-    ("chunk_kda", ScaleShape("kimi-linear", PAST_INT32, heads=32, v_heads=32, per_channel_decay=True)),
+    # (op, shape, backward): fla #1080's 524,288 tokens forward; forward and backward past 65,536 tokens;
+    # forward and backward past 2**31 where the card holds it (an H200)
+    ("chunk_gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_INT32, **QWEN35_4B), False),
+    ("chunk_kda", ScaleShape("kimi-linear", PAST_INT32, **KIMI), False),
+    ("gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_64K, **QWEN35_4B), True),
+    ("chunk_kda", ScaleShape("kimi-linear", PAST_64K, **KIMI), True),
+    ("gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_INT32, **QWEN35_4B), True),
+    ("chunk_kda", ScaleShape("kimi-linear", PAST_INT32, **KIMI), True),
 ]
 
 
 def fla_op(name):
-    if name == "chunk_gated_delta_rule":
+    """fla's op by name; "gated_delta_rule" is the layers' entry (linattn.kernels), which picks the
+    route fla can differentiate here (its GDN backward is refused on Hopper with Triton < 3.7.1)."""
+    if name == "gated_delta_rule":
+        from linattn.kernels import gated_delta_rule as fn
+    elif name == "chunk_gated_delta_rule":
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fn
     else:
         from fla.ops.kda import chunk_kda as fn
@@ -65,22 +77,30 @@ def test_rwkv7_gate_output_correction_past_65536_tokens():
     assert not bad, f"gate_output_correction at {T:,} tokens: " + "; ".join(bad)
 
 
-def test_short_conv_past_int32_matches_float64_pieces():
-    """The layers' short conv on fla's kernels at Qwen3.5-4B's conv width (q, k, v: 8192 channels)
-    over 528,384 tokens: 4.3e9 elements in x, past 2**31; forward and backward against the float64
-    reference piece by piece (a piece's outputs need the W-1 tokens before it; its inputs' gradient
-    the W-1 outputs after it)."""
+BELOW_INT32 = (1 << 18) - (1 << 12)  # 258,048 tokens: x of 8192 channels holds 2.11e9 elements, under 2**31
+CONV_CASES = [(backend, tokens) for backend in ("cuda", "triton") for tokens in (BELOW_INT32, PAST_INT32)]
+
+
+@pytest.mark.parametrize("backend, tokens", CONV_CASES, ids=[f"{b}-{t}" for b, t in CONV_CASES])
+def test_short_conv_at_scale_matches_float64_pieces(backend, tokens):
+    """The layers' short conv at Qwen3.5-4B's conv width (q, k, v: 8192 channels), under and past
+    2**31 elements in x, on each of fla's backends ("cuda": causal-conv1d's CUDA kernels, the
+    layers' default where it imports; "triton": fla's own); forward and backward against the
+    float64 reference piece by piece (a piece's outputs need the W-1 tokens before it; its inputs'
+    gradient the W-1 outputs after it)."""
     from linattn import kernels
     from linattn.reference import short_conv as reference
 
-    T, D, W, piece = PAST_INT32, 8192, 4, 1 << 15
+    if backend == "cuda":
+        pytest.importorskip("causal_conv1d", reason="causal-conv1d's CUDA kernels are not installed")
+    T, D, W, piece = tokens, 8192, 4, 1 << 15
     gen = torch.Generator(device="cuda").manual_seed(7)
     x = torch.randn(1, T, D, generator=gen, device="cuda").bfloat16().requires_grad_()
     weight = (torch.randn(D, W, generator=gen, device="cuda") / W).bfloat16().requires_grad_()
     d_y = torch.randn(1, T, D, generator=gen, device="cuda").bfloat16()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    y = kernels.short_conv(x, weight)
+    y = kernels.short_conv(x, weight, backend=backend)
     y.backward(d_y)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
@@ -111,16 +131,19 @@ def test_short_conv_past_int32_matches_float64_pieces():
                 first[name] = lo + int(bad.nonzero()[0])
     errors = {n: (err2[n] / ref2[n]) ** 0.5 for n in err2}
     errors["dweight"] = float((weight.grad.double() - d_weight).norm() / d_weight.norm())
-    print(f"short_conv 1x{T:,}x{D} (2^{(T * D).bit_length() - 1}+): " + ", ".join(f"{n} {e:.2e}" for n, e in errors.items())
-          + f"; peak {peak:.1f} GiB")
+    print(f"short_conv {backend} 1x{T:,}x{D} ({T * D:.3e} elements): "
+          + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()) + f"; first wrong token {first}; peak {peak:.1f} GiB")
     assert all(e <= BF16_RTOL for e in errors.values()) and first == {"y": None, "dx": None}, (errors, first)
 
 
-@pytest.mark.parametrize("op_name, shape", CASES, ids=[f"{op}-{shape.name}" for op, shape in CASES])
-def test_fla_op_at_scale_matches_float64_pieces(op_name, shape):
-    assert shape.largest_offset > 2**31 and shape.tokens > 65_536
+@pytest.mark.parametrize("op_name, shape, backward", CASES,
+                         ids=[f"{op}-{shape.name}-{shape.tokens}-{'fwd-bwd' if bwd else 'fwd'}" for op, shape, bwd in CASES])
+def test_fla_op_at_scale_matches_float64_pieces(op_name, shape, backward):
+    assert shape.tokens > 65_536
+    if backward and shape.largest_offset > 2**31 and torch.cuda.get_device_properties(0).total_memory < BIG_GPU:
+        pytest.skip(f"the backward past 2**31 elements needs a card of {BIG_GPU / 2**30:.0f} GiB or more (an H200)")
     torch.cuda.empty_cache()
     result = assert_delta_rule_at_scale(fla_op(op_name), shape, rtol=BF16_RTOL, dtype=torch.bfloat16,
-                                        device="cuda", seed=11, piece_tokens=1 << 15)
+                                        device="cuda", seed=11, piece_tokens=1 << 15, backward=backward)
     print(f"{op_name} {result.table_row()}; every tensor: "
           + ", ".join(f"{n} {e:.2e}" for n, e in result.errors.items()))
