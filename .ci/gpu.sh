@@ -57,6 +57,17 @@ fi
 # staged transport); each suite then leases them through its own lock folder, so gpu-2's and
 # gpu-4's pools run side by side instead of taking turns (their compiles are most of their time).
 GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+# Suites side by side share the cores: each pytest divides its own share among its processes
+# (pytest_linattn.ranks.pool.thread_share honours OMP_NUM_THREADS), so give each suite about
+# nproc / (suites * 4) threads a process. Three suites at torch's default (every process all 16
+# cores) ran gpu-2's CP ops test in 208.6 s and gpu-1's fla GDN reference case in 204 s; alone,
+# 48.4 s and 35.5 s (2026-12-06, H100, docs/results.md). OMP_NUM_THREADS given by the caller wins.
+suites_here=$(for f in "$@"; do basename "$(dirname "$f")"; done | sort -u | wc -l)
+if [ -z "${OMP_NUM_THREADS:-}" ] && [ "$suites_here" -gt 1 ]; then
+  per=$(( $(nproc) / (suites_here * 4) )); [ "$per" -lt 1 ] && per=1
+  export OMP_NUM_THREADS=$per
+  echo "threads: $OMP_NUM_THREADS a process ($suites_here suites side by side on $(nproc) cores)"
+fi
 declare -A files_of
 for f in "$@"; do suite=$(basename "$(dirname "$f")"); files_of[$suite]+="$f "; done
 pids=()

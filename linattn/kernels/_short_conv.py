@@ -20,6 +20,11 @@ STATELESS_BACKENDS = {
     "cuda": "it refuses an initial state with packed sequences, and autograd does not reach its final state",
 }
 ACTIVATIONS = ("silu", "swish", None)
+# causal-conv1d 1.7.0's CUDA kernels past 2**31 elements of x give NaN or an illegal memory access
+# (an H100, 2026-12-06, x [1, 528384, 8192] bf16: docs/live-bugs.md; 258,048 tokens pass): "cuda"
+# runs them both ways, "mix" backward (not measured apart); fla's "triton" passes at both lengths
+INT32_LIMITED_BACKENDS = ("cuda", "mix")
+INT32_ELEMENTS = 2**31
 
 
 def short_conv(
@@ -50,13 +55,17 @@ def short_conv(
     if not (weight.dim() == 2 and weight.shape[0] == x.shape[2]):
         fail("weight", f"must be [D, W] with D={x.shape[2]}, got shape {tuple(weight.shape)}")
     with_state = initial_state is not None or output_final_state
+    too_large = x.numel() >= INT32_ELEMENTS
     if backend is None:
         backend = selection.short_conv_backend() if x.is_cuda else "torch"
-        if with_state and backend in STATELESS_BACKENDS:
+        if (with_state and backend in STATELESS_BACKENDS) or (too_large and backend in INT32_LIMITED_BACKENDS):
             backend = "triton"
     elif with_state and backend in STATELESS_BACKENDS:
         fail("backend", f"{backend!r} carries no conv state in fla 0.6.0 ({STATELESS_BACKENDS[backend]}): "
                         f"use 'triton' or 'torch' with initial_state or output_final_state")
+    elif too_large and backend in INT32_LIMITED_BACKENDS:
+        fail("backend", f"{backend!r} runs causal-conv1d's CUDA kernels, wrong past 2**31 elements of x (NaN or an "
+                        f"illegal memory access; x has {x.numel():,}): use 'triton'")
     state = dict(initial_state=initial_state, output_final_state=output_final_state)
     if backend == "torch":
         return _short_conv_torch(x, weight, cu_seqlens, bias, activation, **state)

@@ -197,8 +197,13 @@ CHECKS = {
                            "`SpecDecodePath.drafter`: a draft layer's own state rolled back to the accepted prefix)",
     "gate-gradients": "gate gradients at strong decay (`cases.gate_gradients`: dg, dA_log, ddt_bias of the GDN op, "
                       "bf16, against float64)",
+    "delta-rule-at-scale": "the op at scale (`harness.scale.assert_delta_rule_at_scale`: float32 against float64 "
+                           "in pieces with the state passed along, forward and backward, rows judged one by one; "
+                           "3,000 tokens here, past 2**31 elements on a GPU in suites/scale)",
     "kernel": "fla's kernel against the float64 reference (`linattn.reference`), in its kernel test",
 }
+# the at-scale check's shape on the CPU: v holds 192,000 elements, past the scale plants' 2**17
+SCALE_SHAPE = dict(name="record-scale", tokens=3000, heads=2, v_heads=4, head_k_dim=16, head_v_dim=16)
 
 
 @functools.lru_cache(maxsize=4)
@@ -380,6 +385,17 @@ def run(spawn, check, subject=None):
         from cases.gate_gradients import assert_gate_gradients
 
         return assert_gate_gradients(subject, dtype=torch.bfloat16, decay="strong")
+    if check == "delta-rule-at-scale":
+        from pytest_linattn.harness.scale import ScaleShape, assert_delta_rule_at_scale
+
+        from linattn import kernels
+
+        def linattn_op(q, k, v, g, beta):  # the clean subject: linattn's GDN op
+            return kernels.gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
+
+        return assert_delta_rule_at_scale(subject or linattn_op, ScaleShape(**SCALE_SHAPE), rtol=1e-5,
+                                          dtype=torch.float32,
+                                          device="cpu", seed=SEED, piece_tokens=512)
     if check == "kernel":
         raise ValueError("the kernel check runs in the entry's kernel test (registry.Bug.kernel_test), not here")
     raise ValueError(f"unknown check {check!r}; the checks: {sorted(CHECKS)}")

@@ -51,6 +51,7 @@ from bug_record import plants_gate as PG
 from bug_record import plants_heads as PH
 from bug_record import plants_handoff as H
 from bug_record import plants_layer as L
+from bug_record import plants_scale as PS
 from bug_record import plants_pipeline as P
 from bug_record import plants_state as S
 from bug_record import checks
@@ -354,6 +355,18 @@ BUGS = (
         repro="suites/live_bugs/fla_varlen_padded_tail_unwritten.py",
         fidelity="faithful", fidelity_note=("fla 0.6.0's own chunk_gated_delta_rule, live (part 1 of the report; its "
             "part 2, the fused backward's gate-gradient cancellation, is entry flashqla-28-gate-gradients)")),
+    Bug("fla-1080", "N26", (gh("fla-org/flash-linear-attention", 1080),),
+        "fla's chunk kernels computed their block-pointer offsets in int32: past B*T*H*K = 2**31 elements (524,288 "
+        "tokens of Qwen3.5-4B per forward) loads and stores wrap, and the outputs are silently wrong (NaN counts "
+        "understate the wrong elements 4.7x; run-to-run determinism checks pass on the corrupted output)",
+        "kernel (overflow)", "No", "delta-rule-at-scale",
+        _cls(PS.gated_delta_rule_reading_v_through_wrapped_offsets), "everywhere",
+        located=PS.located(checks.SCALE_SHAPE["name"], checks.SCALE_SHAPE["v_heads"], checks.SCALE_SHAPE["head_v_dim"]),
+        fidelity="moved", fidelity_note=("the wrapped offsets lived in fla's Triton chunk kernels (fixed before fla "
+            "0.6.0: its chunk_gated_delta_rule and chunk_kda forwards at 528,384 tokens, 2**31 + 2**24 elements, "
+            "passed against float64 in pieces on an H100, 2026-12-06, suites/scale); planted in the test tree "
+            "(suites/bug_record/plants_scale.py) as linattn's GDN op reading v through offsets kept modulo 2**17, "
+            "so the at-scale check catches it on 3,000 tokens on a CPU, located at the first wrapped token")),
     Bug("flashqla-28-gate-gradients", "N32", (gh("QwenLM/FlashQLA", 28, "pull"),),
         "the fused GDN backward forms each chunk's gate gradient as the row sum of (dA*A) - (dA*A)^T over the gated "
         "pair products, the transposed copy stored through bf16 shared memory: the diagonal's O(1) terms (decay "
@@ -764,16 +777,16 @@ NOT_YET = (
     NotYet("N6", (gh("vllm-project/vllm", 55504, "pull"),), "ROCm AITER's non-spec decode ignored the accepted-token "
            "offset after a spec step", "nothing more: the same observable as vllm-56531, whose entry lists it"),
     NotYet("N25", (gh("state-spaces/mamba", 1015),), "int32 pointer arithmetic in the SSD kernels past ~61K tokens",
-           "a GPU at scale; not an fla family"),
-    NotYet("N26", (gh("fla-org/flash-linear-attention", 1080),), "int32 block-pointer offsets past B*T*H*K > 2^31",
-           "a GPU at scale (524,288 tokens of Qwen3.5-4B)"),
+           "not an fla family: a client of mamba-ssm's SSD kernels under the at-scale check (the check is "
+           "op-generic: harness.scale), which the project does not install"),
     NotYet("N27", (gh("fla-org/flash-linear-attention", 913),), "Blackwell: NaN gradients and out-of-bounds reads",
            "a Blackwell GPU"),
     NotYet("N28", (gh("fla-org/flash-linear-attention", 906),), "rwkv7 gate_output_correction past 65,536 tokens",
-           "a GPU at scale"),
+           "a plant of the chunk mask: fla 0.6.0's kernel passes at 131,172 tokens on an H100 (every gradient "
+           "within 1.7e-3, 2026-12-06, suites/scale); the mask is not planted yet"),
     NotYet("N29", (gh("fla-org/flash-linear-attention", 826, "pull"),), "Hopper + Triton >= 3.4 miscompiles a "
-           "transposed wgmma tensor in the GDN backward", "fla 0.6.0 refuses that backward on Hopper with Triton 3.6; "
-           "a Triton where it runs"),
+           "transposed wgmma tensor in the GDN backward", "fla 0.6.0 refuses that backward on Hopper with Triton 3.6 "
+           "(seen again at scale, 2026-12-06); a Triton where it runs"),
 )
 
 

@@ -249,4 +249,18 @@ LIVE_BUGS = (
         shows=r"real tokens against the float64 loop: o \d\.\d+e-0[5-9][\s\S]*?padding tail \(unwritten memory "
               r"NaN\): o 320 of 320 NaN, dq 320 of 320 NaN",
         line=r"padding tail"),
+    LiveBug(
+        "causal-conv1d-uint32-offsets", "causal-conv1d==1.7.0",
+        "`csrc/causal_conv1d.h:10` (`using index_t = uint32_t` for every stride), "
+        "`csrc/causal_conv1d_fwd.cu:229-230` (the channel-last kernel's offset `(chunk_l_id * kChunkSizeL + l_idx) "
+        "* params.x_l_stride` in 32 bits); reached through fla 0.6.0's `causal_conv1d(backend='cuda')` "
+        "(`fla/modules/causal_conv1d/ops.py:1101`)",
+        "x [1, 528384, 8192] bf16 (4.33e9 elements): y and dx NaN against the float64 reference, or an illegal "
+        "memory access; 258,048 tokens (2.11e9) right",
+        "suites/scale/test_delta_rule_at_scale.py::test_causal_conv1d_cuda_backend_past_int32",
+        "wrong result on a path callers use",
+        "fla's ShortConvolution and linattn's layers took causal-conv1d's kernels by default wherever it imports "
+        "(linattn now takes fla's Triton kernel past 2**31 elements and refuses 'cuda' there); a GDN layer's conv "
+        "of Qwen3.5-4B's width over 524,288 packed tokens, a length fla #1080's report trained at, reaches 2**32 elements",
+        gpu_evidence="528,384 tokens: y NaN, dx NaN"),
 )

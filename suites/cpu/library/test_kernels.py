@@ -86,6 +86,16 @@ def test_short_conv_stateless_backend_with_a_state_raises(backend, state):
         kernels.short_conv(x, weight, cu, bias, backend=backend, **given)
 
 
+@pytest.mark.parametrize("backend", ["mix", "cuda"])
+def test_short_conv_causal_conv1d_backend_past_int32_raises(backend):
+    # causal-conv1d's CUDA kernels go wrong past 2**31 elements of x (docs/live-bugs.md); a meta
+    # tensor of that size costs nothing, and the refusal comes before any kernel
+    x = torch.empty(1, (1 << 18) + 1, 8192, device="meta")
+    weight = torch.empty(8192, 4, device="meta")
+    with pytest.raises(ValueError, match=rf"^backend '{backend}' runs causal-conv1d's CUDA kernels, wrong past 2\*\*31"):
+        kernels.short_conv(x, weight, backend=backend)
+
+
 def test_short_conv_unknown_backend_raises():
     (x, weight, bias), cu = conv_inputs(torch.float32)
     with pytest.raises(ValueError, match="^backend.*'fast'"):

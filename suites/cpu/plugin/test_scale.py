@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from linattn import kernels
+from bug_record.plants_scale import WRAP, gated_delta_rule_reading_v_through_wrapped_offsets
 from pytest_linattn.harness.scale import ScaleShape, assert_delta_rule_at_scale, delta_rule_at_scale
 
 GDN = ScaleShape("gdn-small", 3000, heads=2, v_heads=4, head_k_dim=16, head_v_dim=16)
 KDA = ScaleShape("kda-small", 1100, heads=2, v_heads=2, head_k_dim=16, head_v_dim=16, per_channel_decay=True)
-WRAP = 1 << 17  # v holds 3000 * 4 * 16 = 192,000 elements: offsets past 2**17 wrap in the plant
 
 
 def torch_op(per_channel_decay):
@@ -41,16 +41,9 @@ def test_pieces_equal_one_reference_call():
     assert all(err < (1e-7 if name == "dg" else 1e-12) for name, err in result.errors.items()), result.errors
 
 
-def wrapped_offset_op(q, k, v, g, beta):
-    """v read through an element offset kept modulo WRAP (an int32 pointer past 2**31, scaled down)."""
-    flat = v.reshape(-1)
-    wrapped = flat[torch.arange(flat.numel()) % WRAP].view_as(v)
-    return kernels.gated_delta_rule(q, k, wrapped, g, beta, scale=q.shape[-1] ** -0.5)[0]
-
-
 def test_a_wrapped_offset_is_located_at_its_first_token_and_head():
     with pytest.raises(AssertionError) as info:
-        assert_delta_rule_at_scale(wrapped_offset_op, GDN, rtol=1e-5, dtype=torch.float32, device="cpu", seed=3,
+        assert_delta_rule_at_scale(gated_delta_rule_reading_v_through_wrapped_offsets, GDN, rtol=1e-5, dtype=torch.float32, device="cpu", seed=3,
                                    piece_tokens=512)
     first_token = WRAP // (GDN.v_heads * GDN.head_v_dim)  # 2048: the first row read through a wrapped offset
     report = str(info.value)
