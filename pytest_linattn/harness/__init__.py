@@ -7,6 +7,7 @@ pytest:
     placement            where a layer runs and which tokens each rank holds
     cases                what a client supplies (ShardedLayer, ParityCase, TrainingStep)
     sharded_parity       one forward and backward: the test process's side (reference, checks)
+    sharded_parity_report ... what it says beside a failing check (layouts, packing, shards, first wrong tokens)
     sharded_parity_rank  ... and what each rank runs
     training_step        training steps: the test process's side
     training_step_rank   ... and what each rank runs
