@@ -29,7 +29,8 @@ import torch.nn.functional as F
 from linattn.checks import fail, positive_int
 from linattn.reference import gated_delta_rule, kda
 
-__all__ = ["ROW_TOL", "ScaleResult", "ScaleShape", "assert_delta_rule_at_scale", "delta_rule_at_scale"]
+__all__ = ["ROW_TOL", "ScaleResult", "ScaleShape", "assert_delta_rule_at_scale", "assert_rows_match",
+           "delta_rule_at_scale"]
 
 ROW_TOL = 0.25  # a (token, head) row off by a quarter of the typical row norm: bf16 stays 10x below
 INPUTS = ("q", "k", "v", "g", "beta")
@@ -196,6 +197,31 @@ def assert_delta_rule_at_scale(op, shape: ScaleShape, *, rtol: float, **kwargs) 
     if lines:
         raise AssertionError("delta rule at scale: " + result.table_row() + "\n  " + "\n  ".join(lines))
     return result
+
+
+def assert_rows_match(actual: dict, reference: dict, *, rtol: float, label: str, piece_tokens: int = 1 << 15) -> dict:
+    """Any op's tensors `[B, T, H, ...]` (or `[B, T, H*D]`, read as `[B, T, H, D]` with
+    `reference`'s head split given as `{name: (tensor, heads)}`) against float64 references of the
+    same shapes, by the at-scale rules: relative error per tensor over the sequence, and each
+    (token, head) row against the typical row norm, the first wrong one named. Returns the errors;
+    AssertionError naming every tensor over rtol, with a wrong row or a NaN."""
+    errors, lines = {}, []
+    for name, (ref, heads) in reference.items():
+        acc = _Accumulator()
+        got = actual[name]
+        for lo in range(0, ref.shape[1], piece_tokens):
+            hi = min(lo + piece_tokens, ref.shape[1])
+            split = (ref.shape[0], hi - lo, heads, -1)
+            acc.add(got[:, lo:hi].reshape(split), ref[:, lo:hi].reshape(split), lo)
+        errors[name] = acc.error()
+        where = acc.first_wrong()
+        if not errors[name] <= rtol or where is not None:
+            at = (f"; first wrong row token {where[0]:,} head {where[1]} (off by {where[2]:.2e} of a typical row), "
+                  f"{acc.wrong_rows:,} wrong rows" if where else "")
+            lines.append(f"{label} {name}: relative error {errors[name]:.2e} (rtol {rtol:.0e}){at}")
+    if lines:
+        raise AssertionError("rows at scale:\n  " + "\n  ".join(lines))
+    return errors
 
 
 class _Accumulator:

@@ -200,10 +200,12 @@ CHECKS = {
     "delta-rule-at-scale": "the op at scale (`harness.scale.assert_delta_rule_at_scale`: float32 against float64 "
                            "in pieces with the state passed along, forward and backward, rows judged one by one; "
                            "3,000 tokens here, past 2**31 elements on a GPU in suites/scale)",
+    "rows-at-scale": "an elementwise op at scale (`harness.scale.assert_rows_match`: forward and backward against "
+                     "its float64 formula, every (token, head) row judged, the first wrong one named; 785 tokens, "
+                     "past 131,072 tokens on a GPU in suites/scale)",
     "kernel": "fla's kernel against the float64 reference (`linattn.reference`), in its kernel test",
 }
-# the at-scale check's shape on the CPU: v holds 192,000 elements, past the scale plants' 2**17
-SCALE_SHAPE = dict(name="record-scale", tokens=3000, heads=2, v_heads=4, head_k_dim=16, head_v_dim=16)
+
 
 
 @functools.lru_cache(maxsize=4)
@@ -385,17 +387,11 @@ def run(spawn, check, subject=None):
         from cases.gate_gradients import assert_gate_gradients
 
         return assert_gate_gradients(subject, dtype=torch.bfloat16, decay="strong")
-    if check == "delta-rule-at-scale":
-        from pytest_linattn.harness.scale import ScaleShape, assert_delta_rule_at_scale
+    if check in ("delta-rule-at-scale", "rows-at-scale"):
+        from bug_record import checks_scale
 
-        from linattn import kernels
-
-        def linattn_op(q, k, v, g, beta):  # the clean subject: linattn's GDN op
-            return kernels.gated_delta_rule(q, k, v, g, beta, scale=q.shape[-1] ** -0.5)[0]
-
-        return assert_delta_rule_at_scale(subject or linattn_op, ScaleShape(**SCALE_SHAPE), rtol=1e-5,
-                                          dtype=torch.float32,
-                                          device="cpu", seed=SEED, piece_tokens=512)
+        run = checks_scale.delta_rule_at_scale if check == "delta-rule-at-scale" else checks_scale.rows_at_scale
+        return run(subject, SEED)
     if check == "kernel":
         raise ValueError("the kernel check runs in the entry's kernel test (registry.Bug.kernel_test), not here")
     raise ValueError(f"unknown check {check!r}; the checks: {sorted(CHECKS)}")

@@ -51,6 +51,7 @@ from bug_record import plants_gate as PG
 from bug_record import plants_heads as PH
 from bug_record import plants_handoff as H
 from bug_record import plants_layer as L
+from bug_record import checks_scale as CS
 from bug_record import plants_scale as PS
 from bug_record import plants_pipeline as P
 from bug_record import plants_state as S
@@ -361,12 +362,22 @@ BUGS = (
         "understate the wrong elements 4.7x; run-to-run determinism checks pass on the corrupted output)",
         "kernel (overflow)", "No", "delta-rule-at-scale",
         _cls(PS.gated_delta_rule_reading_v_through_wrapped_offsets), "everywhere",
-        located=PS.located(checks.SCALE_SHAPE["name"], checks.SCALE_SHAPE["v_heads"], checks.SCALE_SHAPE["head_v_dim"]),
+        located=PS.located(CS.DELTA_RULE_SHAPE["name"], CS.DELTA_RULE_SHAPE["v_heads"], CS.DELTA_RULE_SHAPE["head_v_dim"]),
         fidelity="moved", fidelity_note=("the wrapped offsets lived in fla's Triton chunk kernels (fixed before fla "
             "0.6.0: its chunk_gated_delta_rule and chunk_kda forwards at 528,384 tokens, 2**31 + 2**24 elements, "
             "passed against float64 in pieces on an H100, 2026-12-06, suites/scale); planted in the test tree "
             "(suites/bug_record/plants_scale.py) as linattn's GDN op reading v through offsets kept modulo 2**17, "
             "so the at-scale check catches it on 3,000 tokens on a CPU, located at the first wrapped token")),
+    Bug("fla-906", "N28", (gh("fla-org/flash-linear-attention", 906), gh("fla-org/flash-linear-attention", 907, "pull")),
+        "RWKV-7's gate_output_correction kernels masked a chunk's tokens by comparing their absolute index with the "
+        "chunk size: every chunk after the first 65,536 tokens was skipped, forward and backward (outputs diverge "
+        "from the reference past 65,536 tokens)", "kernel (long sequence)", "No", "rows-at-scale",
+        _cls(PS.gate_output_correction_skipping_tail_chunks), "everywhere", located=PS.located_tail_chunk(CS.ROWS_LABEL),
+        fidelity="moved", fidelity_note=("the mask lived in fla's Triton kernels for RWKV-7's output correction "
+            "(fla/ops/rwkv7/gate_output_correction.py, fixed by fla PR #907 before 0.6.0: its kernels at 131,172 "
+            "tokens passed against float64 on an H100, 2026-12-06, suites/scale); planted in the test tree "
+            "(suites/bug_record/plants_scale.py) as the op in chunks of 256 tokens whose tail chunks are never "
+            "written, so the row check catches it on 785 tokens on a CPU, located at the first skipped token")),
     Bug("flashqla-28-gate-gradients", "N32", (gh("QwenLM/FlashQLA", 28, "pull"),),
         "the fused GDN backward forms each chunk's gate gradient as the row sum of (dA*A) - (dA*A)^T over the gated "
         "pair products, the transposed copy stored through bf16 shared memory: the diagonal's O(1) terms (decay "
@@ -781,9 +792,6 @@ NOT_YET = (
            "op-generic: harness.scale), which the project does not install"),
     NotYet("N27", (gh("fla-org/flash-linear-attention", 913),), "Blackwell: NaN gradients and out-of-bounds reads",
            "a Blackwell GPU"),
-    NotYet("N28", (gh("fla-org/flash-linear-attention", 906),), "rwkv7 gate_output_correction past 65,536 tokens",
-           "a plant of the chunk mask: fla 0.6.0's kernel passes at 131,172 tokens on an H100 (every gradient "
-           "within 1.7e-3, 2026-12-06, suites/scale); the mask is not planted yet"),
     NotYet("N29", (gh("fla-org/flash-linear-attention", 826, "pull"),), "Hopper + Triton >= 3.4 miscompiles a "
            "transposed wgmma tensor in the GDN backward", "fla 0.6.0 refuses that backward on Hopper with Triton 3.6 "
            "(seen again at scale, 2026-12-06); a Triton where it runs"),
