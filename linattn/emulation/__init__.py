@@ -13,20 +13,26 @@ plugin's parity checks apply to it. The pytest fixture ``fla_on_cpu`` (and the o
 
 What is emulated, per module (each declares ``PATCHES``):
 
-    delta_rules  chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, chunk_kda,
-                 fused_recurrent_kda, fla's KDA / GDN gate functions, l2norm
+    gated_delta_rule  chunk_gated_delta_rule, fused_recurrent_gated_delta_rule, fused_gdn_gate
+    kda          chunk_kda, fused_recurrent_kda, fused_kda_gate
     delta_product  chunk_gated_delta_product (gated DeltaProduct: several steps per token)
     dplr         chunk_dplr_delta_rule, fused_recurrent_dplr_delta_rule (the DPLR delta rule),
                  chunk_rwkv7, fused_recurrent_rwkv7, fused_mul_recurrent_rwkv7
     rwkv7        RWKV7Attention's other kernels: token_shift, fused_addcmul_rwkv7, fused_k_rwkv7,
                  gate_output_correction
     gdn2         chunk_gdn2, fused_recurrent_gdn2 (Gated DeltaNet 2: channel-wise erase and write gates)
+    precond      chunk_precond_gated_delta_rule, fused_recurrent_precond_gated_delta_rule,
+                 chunk_precond_kda, fused_recurrent_precond_kda (the preconditioned delta rules)
     serving      fused_recurrent_kda_fwd: KDA's state-pool entry (ssm_state_indices,
                  num_accepted_tokens, inplace_final_state), as vLLM's decode calls it
     conv         causal_conv1d, ShortConvolution
-    norm         FusedRMSNormGated and the gated-norm functions
+    norm         FusedRMSNormGated and the gated-norm functions, l2norm
     cp           build_cp_context; the ops' and the conv's ``cp_context=`` run linattn.parallel.cp's
                  exchange over the context's group
+
+The delta-rule families share ``delta_rule_options`` (fla's option checks in fla's words, the
+refusals, the run on the references); ``delta_rules`` re-exports the GDN and KDA ops, their gates
+and l2norm under the name they first had.
 
 Any argument value the emulation does not implement raises NotImplementedError naming the
 function, the argument and the value. The ops compute on the inputs' device (CPU here); outputs

@@ -16,7 +16,7 @@ next rank (and dS back in backward); each token's output is its last step's.
 
 fla 0.6.0 has no fused recurrent DeltaProduct entry: fla's GatedDeltaProduct layer, in its
 ``fused_recurrent`` mode, runs ``fused_recurrent_gated_delta_rule`` over the step stream, which
-``delta_rules`` emulates.
+``gated_delta_rule`` emulates.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from linattn import reference
 from linattn.parallel import cp as parallel_cp
 from linattn.reference.delta_product import last_step, token_to_steps
 
-from .delta_rules import _check_varlen, _cp_cu_seqlens, _state_dtype, _to_compute
+from .delta_rule_options import _check_varlen, _cp_cu_seqlens, _state_dtype, _to_compute
 from .patching import check_packing
 
 

@@ -28,7 +28,7 @@ import torch
 from linattn import reference
 from linattn.parallel import cp as parallel_cp
 
-from .delta_rules import _check_varlen, _cp_cu_seqlens, _refuse_head_first, _state_dtype, _to_compute
+from .delta_rule_options import _check_varlen, _cp_cu_seqlens, _refuse_head_first, _state_dtype, _to_compute
 from .patching import check_packing, refuse
 
 

@@ -33,7 +33,7 @@ import torch
 from linattn import reference
 from linattn.parallel import cp as parallel_cp
 
-from .delta_rules import (
+from .delta_rule_options import (
     MAX_KEY_DIM,
     _check_initial_state_dtype,
     _check_safe_gate_bound,

@@ -1,13 +1,15 @@
-"""fla's gated norms (``fla.modules.norm.fused_norm_gate``) in plain torch, in the emulation's
-compute dtype.
+"""fla's norms (``fla.modules.norm``) in plain torch, in the emulation's compute dtype: the gated
+norms (``fused_norm_gate``) and ``l2norm`` (``= l2_norm``; ``L2Norm`` calls it).
 
-fla's math, kept here: ``h = x + residual``; the norm of h over the last dim (RMS:
+The gated norms, fla's math kept here: ``h = x + residual``; the norm of h over the last dim (RMS:
 ``h / sqrt(mean(h^2) + eps)``; layer norm: ``(h - mean) / sqrt(var + eps)``, biased variance),
 then ``* weight + bias``, then the output gate: ``* g * sigmoid(g)`` ("swish"/"silu") or
 ``* sigmoid(g)`` ("sigmoid"). The output is in x's dtype. With ``prenorm`` the functions also
 return the residual stream h: in residual's dtype when given, float32 with
 ``residual_in_fp32``, else x itself (fla's return). The ``*_gate_linear`` variants gate with
 swish and apply ``F.linear(y, linear_weight, linear_bias)``.
+
+``l2norm``: ``x / sqrt(sum(x^2) + eps)`` over the last dim, in ``output_dtype`` (None: x's).
 
 fla's ``layernorm_gated`` (``RMSNormGated``, group norms, gate before the norm) is a different
 module and is not emulated here.
@@ -23,7 +25,8 @@ from linattn.emulation.patching import compute_dtype, refuse
 ACTIVATIONS = ("swish", "silu", "sigmoid")
 
 __all__ = [
-    "layer_norm_gated", "rms_norm_gated", "layer_norm_swish_gate_linear", "rms_norm_swish_gate_linear", "PATCHES",
+    "layer_norm_gated", "rms_norm_gated", "layer_norm_swish_gate_linear", "rms_norm_swish_gate_linear", "l2norm",
+    "PATCHES",
 ]
 
 
@@ -88,6 +91,13 @@ def rms_norm_swish_gate_linear(x, g, norm_weight, norm_bias, linear_weight, line
                         residual, prenorm, residual_in_fp32, eps, True)
 
 
+def l2norm(x: torch.Tensor, eps: float = 1e-6, output_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """fla's l2norm: x / sqrt(sum(x²) + eps) over the last dim, in output_dtype (None: x's)."""
+    y = x.to(compute_dtype())
+    y = y * torch.rsqrt((y * y).sum(-1, keepdim=True) + eps)
+    return y.to(x.dtype if output_dtype is None else output_dtype)
+
+
 # the modules' forwards (the SwishGate subclasses inherit them)
 
 
@@ -125,4 +135,5 @@ PATCHES = {
     f"{_MODULE}:FusedRMSNormGated.forward": fused_rms_norm_gated_forward,
     f"{_MODULE}:FusedLayerNormGatedLinear.forward": fused_layer_norm_gated_linear_forward,
     f"{_MODULE}:FusedRMSNormGatedLinear.forward": fused_rms_norm_gated_linear_forward,
+    "fla.modules.norm.l2norm:l2norm": l2norm,  # l2_norm too; L2Norm.forward calls it
 }

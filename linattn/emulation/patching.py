@@ -1,6 +1,6 @@
 """The switch behind `fla_on_cpu`: swap fla's public entry points for the emulation and back.
 
-Each emulation module (delta_rules, conv, norm, cp) declares ``PATCHES``: a dict from
+Each emulation module (gated_delta_rule, kda, conv, norm, cp, ...) declares ``PATCHES``: a dict from
 ``"fla.module.path:name"`` (a function) or ``"fla.module.path:Class.method"`` (a method) to its
 replacement. Swapping the attribute where fla defines it is not enough: ``from fla.ops.kda
 import chunk_kda`` in fla's layers, in transformers or in a user's module binds the function
@@ -20,7 +20,8 @@ import types
 import torch
 
 FLA_VERSION = "0.6.0"
-EMULATION_MODULES = ("delta_rules", "delta_product", "dplr", "rwkv7", "gdn2", "precond", "serving", "conv", "norm", "cp")
+EMULATION_MODULES = ("gated_delta_rule", "kda", "delta_product", "dplr", "rwkv7", "gdn2", "precond", "serving",
+                     "conv", "norm", "cp")
 COMPUTE_DTYPES = (torch.float64, torch.float32)
 
 _active: list[torch.dtype] = []  # one entry per nested activation

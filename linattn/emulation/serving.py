@@ -38,7 +38,7 @@ import torch
 from linattn import reference
 from linattn.kernels import log_decay
 
-from .delta_rules import _beta, _check_beta_options, _refuse_beta_per_value_channel, _state_dtype, _to_compute
+from .delta_rule_options import _beta, _check_beta_options, _refuse_beta_per_value_channel, _state_dtype, _to_compute
 from .patching import refuse
 
 FUNCTION = "fused_recurrent_kda_fwd"

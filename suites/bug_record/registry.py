@@ -788,8 +788,8 @@ NOT_YET = (
     NotYet("N6", (gh("vllm-project/vllm", 55504, "pull"),), "ROCm AITER's non-spec decode ignored the accepted-token "
            "offset after a spec step", "nothing more: the same observable as vllm-56531, whose entry lists it"),
     NotYet("N25", (gh("state-spaces/mamba", 1015),), "int32 pointer arithmetic in the SSD kernels past ~61K tokens",
-           "not an fla family: a client of mamba-ssm's SSD kernels under the at-scale check (the check is "
-           "op-generic: harness.scale), which the project does not install"),
+           "not an fla family: a client of mamba-ssm's SSD kernels (not installed here) under the at-scale row "
+           "check (harness.scale.assert_rows_match takes any op's tensors), on a GPU past 61K tokens"),
     NotYet("N27", (gh("fla-org/flash-linear-attention", 913),), "Blackwell: NaN gradients and out-of-bounds reads",
            "a Blackwell GPU"),
     NotYet("N29", (gh("fla-org/flash-linear-attention", 826, "pull"),), "Hopper + Triton >= 3.4 miscompiles a "

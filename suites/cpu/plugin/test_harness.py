@@ -5,8 +5,9 @@ sequence (zero at a sequence start), so under CP the first token of a rank's pie
 from another rank. fc1 column-parallel, fc2 row-parallel, `gain` TP-replicated. The correct
 client passes every placement; planted bugs (a wrong shard, an unreduced replicated gradient, a
 dropped halo, a wrong unshard, a layer with its own CP layout) fail with messages that name what
-broke. The token layout is checked against hand-written examples, and bad input raises ValueError
-before any rank runs.
+broke, and bad input raises ValueError before any rank runs. Beside it: the token layout against
+hand-written examples (test_token_layout.py), the project's layer's gradient locations
+(test_layer_grad_locations.py).
 """
 
 import functools
@@ -17,7 +18,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from cases.layer_parity import linattn_layer, make_config
 from linattn.parallel import group_rank
 from linattn.parallel.cp import cp_token_index
 from linattn.parallel.mappings import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
@@ -178,6 +178,10 @@ def test_every_failing_check_of_the_case_is_reported(spawn):
         assert f"parity failed for toy/cp2-contiguous/seed1 {check} tensor(s) off" in msg
 
 
+def _tokens(cu, placement, tp_rank=0, cp_rank=0):
+    return rank_token_index(torch.tensor(cu), placement, tp_rank, cp_rank).tolist()
+
+
 @pytest.mark.parametrize("placement", [Placement(cp=2, cp_layout="zigzag"),
                                        Placement(tp=2, cp=2, cp_layout="zigzag", sequence_parallel=True)])
 def test_failure_names_the_ranks_holding_the_worst_token(spawn, placement):
@@ -269,87 +273,6 @@ def test_a_layer_that_loses_the_packing_under_cp_is_told_so(spawn):
     assert report.startswith("parity failed for case toy/cp2-contiguous/seed1"), report
     # at CP rank 0, the first packed boundary (token 3) is the first wrong token
     assert "first wrong token per rank: CP rank 0 at seq 1 token 0 (global 3); CP rank 1 at" in report, report
-
-
-# linattn's layer (4 key heads of dk 8, value heads 2 per key head of dv 6) at TP = 2: the worst
-# element of a parameter gradient by head and channel, from parameter_layouts' table
-LAYER_GRAD_ELEMENTS = [
-    ("qwen3_5", "A_log", (5,), "value head 5 (TP rank 1)"),
-    ("qwen3_5", "in_proj_qkv.weight", (19, 6), "q: key head 2, channel 3, col 6 (TP rank 1)"),
-    ("qwen3_5", "in_proj_qkv.weight", (77, 0), "v: value head 2, channel 1, col 0 (TP rank 0)"),  # 77 = 2 * 32 + 13
-    ("qwen3_5", "conv1d.weight", (20, 0, 3), "q: key head 2, channel 4, tap 3 (TP rank 1)"),
-    ("qwen3_5", "out_proj.weight", (1, 35), "value head 5, channel 5, row 1 (TP rank 1)"),
-    ("qwen3_5", "norm.weight", (5,), None),  # replicated: the default words
-    # grouped per key head: 40 rows each (q 8, k 8, v 12, z 12); row 63 is key head 1's v, row 7
-    ("qwen3_next", "in_proj_qkvz.weight", (63, 0), "v: value head 3, channel 1, col 0 (TP rank 0)"),
-    ("qwen3_next", "in_proj_ba.weight", (11, 4), "a: value head 5, col 4 (TP rank 1)"),
-    ("qwen3_next", "dt_bias", (2,), "value head 2 (TP rank 0)"),
-    ("kda", "dt_bias", (43,), "value head 5, channel 3 (TP rank 1)"),
-    ("kda", "q_conv1d.weight", (9, 0, 2), "key head 1, channel 1, tap 2 (TP rank 0)"),
-    ("kda", "f_b_proj.weight", (63, 2), "value head 7, channel 7, col 2 (TP rank 1)"),
-    ("kda", "f_a_proj.weight", (1, 2), None),
-]
-
-
-@pytest.mark.parametrize("family, name, index, words", LAYER_GRAD_ELEMENTS)
-def test_layer_client_locates_gradient_elements_by_head(family, name, index, words):
-    describe = linattn_layer(make_config(family, 2)).describe_grad_element
-    assert describe(name, index, Placement(tp=2)) == words
-
-
-# ---- the token layout, by hand ------------------------------------------------------------------
-
-
-def _tokens(cu, placement, tp_rank=0, cp_rank=0):
-    return rank_token_index(torch.tensor(cu), placement, tp_rank, cp_rank).tolist()
-
-
-def test_token_layout_matches_the_documented_definition():
-    contiguous = Placement(cp=2)
-    assert _tokens(CU, contiguous, cp_rank=0) == list(range(0, 8))
-    assert _tokens(CU, contiguous, cp_rank=1) == list(range(8, 16))
-    # two sequences of 8, cut into 4 chunks of 2: rank 0 holds chunks 0 and 3, rank 1 chunks 1 and 2
-    zigzag = Placement(cp=2, cp_layout="zigzag")
-    assert _tokens(CU_ZIGZAG, zigzag, cp_rank=0) == [0, 1, 6, 7, 8, 9, 14, 15]
-    assert _tokens(CU_ZIGZAG, zigzag, cp_rank=1) == [2, 3, 4, 5, 10, 11, 12, 13]
-    # cp 4 on one sequence of 16: 8 chunks of 2, rank r holds chunks r and 7 - r
-    zigzag4 = Placement(cp=4, cp_layout="zigzag")
-    assert [_tokens([0, 16], zigzag4, cp_rank=r) for r in range(4)] == [
-        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
-    # SP: the CP rank's tokens in tp contiguous slices
-    sp = Placement(tp=2, cp=2, cp_layout="zigzag", sequence_parallel=True)
-    assert _tokens(CU_ZIGZAG, sp, 0, 1) == [2, 3, 4, 5]
-    assert _tokens(CU_ZIGZAG, sp, 1, 1) == [10, 11, 12, 13]
-    # without SP every TP rank holds its CP rank's tokens
-    assert _tokens(CU, Placement(tp=2, cp=2), 1, 1) == list(range(8, 16))
-    # fla's zigzag cuts the whole batch, not each sequence: 4 intervals of 4 over [0, 8, 16]
-    fla = Placement(cp=2, cp_layout="fla-zigzag")
-    assert _tokens(CU_ZIGZAG, fla, cp_rank=0) == [0, 1, 2, 3, 12, 13, 14, 15]
-    assert _tokens(CU_ZIGZAG, fla, cp_rank=1) == [4, 5, 6, 7, 8, 9, 10, 11]
-    # sequences of any length: CU's 3-token and 1-token sequences cross intervals of 2 at cp 4
-    assert [_tokens(CU, Placement(cp=4, cp_layout="fla-zigzag"), cp_rank=r) for r in range(4)] == [
-        [0, 1, 14, 15], [2, 3, 12, 13], [4, 5, 10, 11], [6, 7, 8, 9]]
-    # on one sequence fla's zigzag is the per-sequence zigzag
-    assert all(_tokens([0, 16], Placement(cp=4, cp_layout="fla-zigzag"), cp_rank=r) ==
-               _tokens([0, 16], Placement(cp=4, cp_layout="zigzag"), cp_rank=r) for r in range(4))
-    sp = Placement(tp=2, cp=2, cp_layout="fla-zigzag", sequence_parallel=True)
-    assert _tokens(CU, sp, 1, 0) == [12, 13, 14, 15]
-
-
-def test_fla_layout_names_the_build_cp_context_layout():
-    assert Placement(cp=2).fla_layout == "contiguous"
-    assert Placement(cp=2, cp_layout="fla-zigzag").fla_layout == "zigzag"
-    with pytest.raises(ValueError, match=r"Placement.cp_layout 'zigzag' cuts each sequence; fla's build_cp_context "
-                                         r"has no such layout .*Placement\(cp_layout='fla-zigzag'\)"):
-        Placement(cp=2, cp_layout="zigzag").fla_layout  # noqa: B018
-
-
-def test_placement_names():
-    assert Placement().name == "replicated"
-    assert Placement(tp=4).name == "tp4"
-    assert Placement(tp=2, cp=2, cp_layout="zigzag", sequence_parallel=True).name == "tp2-sp/cp2-zigzag"
-    assert Placement(cp=2, cp_layout="fla-zigzag").name == "cp2-fla-zigzag"
-    assert str(Placement(cp=4)) == "cp4-contiguous"
 
 
 # ---- bad input: ValueError naming the parameter and the rule -----------------------------------

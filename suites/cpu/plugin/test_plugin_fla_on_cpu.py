@@ -46,7 +46,7 @@ def emulation_state():
 def test_fixture(spawn, fla_on_cpu):
     assert fla_on_cpu == torch.float64
     local = emulation_state()
-    assert local == ("torch.float64", "linattn.emulation.delta_rules")
+    assert local == ("torch.float64", "linattn.emulation.kda")
     assert spawn(emulation_state, 2) == [local, local]
 
 
@@ -71,7 +71,7 @@ def test_emulated_without_asking():
     import fla.ops.kda as kda
 
     assert str(active_compute_dtype()) == "torch.float64"
-    assert kda.chunk_kda.__module__ == "linattn.emulation.delta_rules"
+    assert kda.chunk_kda.__module__ == "linattn.emulation.kda"
 '''
 
 
