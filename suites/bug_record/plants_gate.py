@@ -14,9 +14,11 @@ gradient holds, and A_log's and dt_bias's gradients (sums of it over the head's 
 |g_t| up to 45) come out O(1) off while the forward is exact (cases.gate_gradients).
 
 Here: linattn's chunked reference in float32 (the op's compute dtype for bf16 inputs) with the
-intra-chunk decay exp(G_i - G_j) (reference.delta_rule._scalar_lower_decay) given a backward of
-that form: dG = rowsum(M - bf16(M^T)), M = dD * D, everything else float32. Torch code only, so it
-runs on CPU and CUDA tensors alike; the gate is computed before it, as kernels.log_decay does.
+intra-chunk decay exp(G_i - G_j) (reference.delta_rule._scalar_lower_decay, which takes the
+per-token log decay g and sums it to G itself) given a backward of that form:
+dG = rowsum(M - bf16(M^T)), M = dD * D, then through the cumulative sum to g (dg_t = sum over
+i >= t of dG_i), everything else float32. Torch code only, so it runs on CPU and CUDA tensors
+alike; the gate is computed before it, as kernels.log_decay does.
 """
 
 from __future__ import annotations
@@ -33,11 +35,12 @@ _LOWER_DECAY = delta_rule._scalar_lower_decay
 
 
 class _DecayWithBf16Transpose(torch.autograd.Function):
-    """D[i, j] = exp(G_i - G_j) for i >= j (else 0); backward rowsum(M - bf16(M^T)), M = dD * D."""
+    """D[i, j] = exp(G_i - G_j) for i >= j (else 0), G = cumsum(g); backward dG = rowsum(M - bf16(M^T)),
+    M = dD * D, and dg its suffix sums (the chain through G = cumsum(g))."""
 
     @staticmethod
-    def forward(ctx, G):
-        D = _LOWER_DECAY(G)
+    def forward(ctx, g):
+        D = _LOWER_DECAY(g)
         ctx.save_for_backward(D)
         return D
 
@@ -46,7 +49,8 @@ class _DecayWithBf16Transpose(torch.autograd.Function):
         (D,) = ctx.saved_tensors
         M = dD * D  # float32: the fused kernel's accumulator fragment
         through_shared = M.transpose(-1, -2).to(torch.bfloat16).to(M.dtype)  # the transpose, stored in bf16
-        return (M - through_shared).sum(-1)
+        dG = (M - through_shared).sum(-1)
+        return dG.flip(-1).cumsum(-1).flip(-1)
 
 
 def gated_delta_rule_with_a_bf16_transposed_gate_gradient(q, k, v, g, beta, scale=None, initial_state=None,

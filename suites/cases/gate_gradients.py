@@ -1,4 +1,5 @@
-"""The gate parameters' gradients of a gated-delta-rule op under strong decay, against float64.
+"""The gate parameters' gradients of a gated-delta-rule op under strong decay, against float64
+(GDN's op; KDA's with per_channel).
 
 A GDN layer hands its kernel the raw gate input `a` and the kernel computes the per-token log
 decay g = -exp(A_log) * softplus(a + dt_bias) (fla's use_gate_in_kernel). Training reads three
@@ -29,12 +30,18 @@ exp(A_log) is RATES repeated over the value heads at both: only the gate input's
 
 Measured (CPU, torch 2.13, seeds 0-15 at SIZES; the worst of the three tensors, usually dA_log):
 linattn's torch kernels in bf16 (float32 compute on bf16 inputs, the cotangent arriving in bf16)
-1.3e-3 to 5.1e-3 at strong decay, within the bf16 bound 2e-2; in float32 3.8e-7 to 2.5e-6 at mild
-decay, within 1e-5, but 3.3e-6 to 1.7e-4 at strong decay (13 of 16 seeds above 1e-5): the same
-cancellation in float32 (the autograd of exp(G_i - G_j) sums rows and columns separately;
-suites/cpu/library/test_gate_gradients.py's strict xfail says more). The bf16-transpose plant
-(bug_record.plants_gate): dA_log 0.2 to 5.5 and dg 0.16 to 0.88 at strong decay, 3.7e-3 to 1.4e-2
-at mild decay (within the bound: at mild decay a check cannot see it).
+1.3e-3 to 5.1e-3 at strong decay, within the bf16 bound 2e-2; in float32 2.0e-7 to 4.6e-7 at mild
+decay and 1.7e-7 to 7.0e-7 at strong decay (seeds 0-39: up to 1.4e-6), within 1e-5. linattn's chunked
+form once took the decays' gradient as autograd does, through the cumulative decay G (a row sum
+minus a column sum per G_i, the diagonal's exp(0) = 1 in both): the same cancellation in float32,
+3.3e-6 to 1.7e-4 at strong decay (13 of 16 seeds above 1e-5), while mild decay was within. Now each
+decay's gradient goes to the per-token log decay span by span (reference.delta_rule._chunk_terms).
+KDA (per_channel: the gate input per key channel, dt_bias `[HV * K]`) in float32: 1.7e-7 to 2.4e-6
+at strong decay (seeds 0-39), 2.3e-7 to 5.1e-7 at mild; through G it was 5.3e-5 to 5.1e-4, every
+seed above 1e-5. KDA in bf16 at strong decay: 1.5e-3 to 2.3e-2 (seed 8's dA_log above the bound;
+not checked here). The bf16-transpose plant (bug_record.plants_gate): dA_log 0.2 to 5.5 and dg 0.16
+to 0.88 at strong decay, 3.7e-3 to 1.4e-2 at mild decay (within the bound: at mild decay a check
+cannot see it).
 """
 
 from __future__ import annotations
@@ -68,8 +75,10 @@ class Sizes:
 SIZES = Sizes()
 
 
-def draw(seed: int = SEED, decay: str = "strong", sizes: Sizes = SIZES) -> dict[str, torch.Tensor]:
-    """Float64 values of every input and the output's cotangent, seeded; none zero."""
+def draw(seed: int = SEED, decay: str = "strong", sizes: Sizes = SIZES,
+         per_channel: bool = False) -> dict[str, torch.Tensor]:
+    """Float64 values of every input and the output's cotangent, seeded; none zero. per_channel: KDA's
+    gate (the gate input `[1, T, HV, K]`, dt_bias `[HV * K]`), else GDN's (`[1, T, HV]`, `[HV]`)."""
     gen = torch.Generator().manual_seed(seed)
     T, H, HV = sizes.cu_seqlens[-1], sizes.key_heads, sizes.value_heads
     K, V = sizes.head_k_dim, sizes.head_v_dim
@@ -78,14 +87,15 @@ def draw(seed: int = SEED, decay: str = "strong", sizes: Sizes = SIZES) -> dict[
         return torch.randn(*shape, generator=gen, dtype=torch.float64)
 
     rates = torch.tensor(RATES, dtype=torch.float64).repeat(-(-HV // len(RATES)))[:HV]
+    channels = (K,) if per_channel else ()
     return dict(
         q=F.normalize(normal(1, T, H, K), dim=-1),
         k=F.normalize(normal(1, T, H, K), dim=-1),
         v=normal(1, T, HV, V),
-        a=GATE_SCALE * normal(1, T, HV),
+        a=GATE_SCALE * normal(1, T, HV, *channels),
         beta=normal(1, T, HV).sigmoid(),
         A_log=rates.log(),
-        dt_bias=torch.full((HV,), DECAYS[decay], dtype=torch.float64),
+        dt_bias=torch.full((HV * (K if per_channel else 1),), DECAYS[decay], dtype=torch.float64),
         do=normal(1, T, HV, V),
     )
 
@@ -104,33 +114,45 @@ def _run(op, values, dtype, device, cu_seqlens, compute=None):
 
 
 def reference_op(q, k, v, a, beta, *, cu_seqlens, use_gate_in_kernel, A_log, dt_bias):
-    """linattn.reference.gated_delta_rule in float64, the gate computed by the same formula in float64."""
+    """linattn.reference.gated_delta_rule (or .kda for a per-channel gate input `[B, T, HV, K]`) in
+    float64, the gate computed by the same formula in float64."""
     assert use_gate_in_kernel
     g = kernels.log_decay(a, A_log, dt_bias)
-    return reference.gated_delta_rule(q, k, v, g, beta, cu_seqlens=cu_seqlens)
+    op = reference.kda if a.dim() == 4 else reference.gated_delta_rule
+    return op(q, k, v, g, beta, cu_seqlens=cu_seqlens)
 
 
 @functools.lru_cache(maxsize=8)
-def _reference_gradients(seed, decay, sizes, dtype):
-    values = draw(seed, decay, sizes)
+def _reference_gradients(seed, decay, sizes, dtype, per_channel=False):
+    values = draw(seed, decay, sizes, per_channel)
     # the reference runs on the values the op gets: q, k, v, beta rounded to dtype, the gate's in float32
     rounded = {n: (t.to(dtype) if n in ("q", "k", "v", "beta") else t.float() if n != "do" else t).double()
                for n, t in values.items()}
     return _run(reference_op, rounded, torch.float64, "cpu", sizes.cu_seqlens, compute=torch.float64)
 
 
-def reference_gradients(seed=SEED, decay="strong", sizes=SIZES, dtype=torch.bfloat16) -> dict[str, torch.Tensor]:
-    return {n: t.clone() for n, t in _reference_gradients(seed, decay, sizes, dtype).items()}
+def reference_gradients(seed=SEED, decay="strong", sizes=SIZES, dtype=torch.bfloat16,
+                        per_channel=False) -> dict[str, torch.Tensor]:
+    return {n: t.clone() for n, t in _reference_gradients(seed, decay, sizes, dtype, per_channel).items()}
 
 
-def describe(sizes):
-    """Where the worst element of each gradient lies, in a layer's words: dg `[1, T, HV]` by sequence,
-    token and value head, A_log's and dt_bias's `[HV]` by value head, each head with its decay rate."""
+def describe(sizes, per_channel=False):
+    """Where the worst element of each gradient lies, in a layer's words: dg `[1, T, HV(, K)]` by sequence,
+    token and value head (and key channel), A_log's `[HV]` by value head, dt_bias's `[HV]` by value head
+    (KDA's `[HV * K]` by value head and key channel), each head with its decay rate."""
     bounds = list(sizes.cu_seqlens)
 
     def words(name, index):
-        head = index[-1]
+        channel = None
+        if name == "dg":
+            head, channel = index[2], (index[3] if per_channel else None)
+        elif name == "ddt_bias" and per_channel:
+            head, channel = divmod(index[-1], sizes.head_k_dim)
+        else:
+            head = index[-1]
         rate = f"value head {head} (exp(A_log) = {RATES[head % len(RATES)]:g})"
+        if channel is not None:
+            rate += f", key channel {channel}"
         if name != "dg":
             return rate
         token = index[1]
@@ -140,13 +162,16 @@ def describe(sizes):
 
 
 def assert_gate_gradients(op=None, *, dtype=torch.bfloat16, decay="strong", seed=SEED, sizes=SIZES,
-                          device="cpu", rtol=None, label=None) -> list[dict]:
-    """op (kernels.gated_delta_rule's signature; None: linattn's entry) against the float64 reference:
-    dg, dA_log, ddt_bias within rtol (None: BOUNDS[dtype]), per tensor. AssertionError with the
-    assert_parity table, each failing tensor's worst element located (`describe`). Returns the records."""
-    op = kernels.gated_delta_rule if op is None else op
-    got = _run(op, draw(seed, decay, sizes), dtype, device, sizes.cu_seqlens)
-    name = label or f"gate gradients at {decay} decay ({str(dtype).removeprefix('torch.')}, seed {seed})"
-    return assert_parity({n: t.detach() for n, t in got.items()}, reference_gradients(seed, decay, sizes, dtype),
+                          device="cpu", rtol=None, label=None, per_channel=False) -> list[dict]:
+    """op (kernels.gated_delta_rule's signature, or with per_channel kernels.kda's; None: linattn's
+    entry) against the float64 reference: dg, dA_log, ddt_bias within rtol (None: BOUNDS[dtype]), per
+    tensor. AssertionError with the assert_parity table, each failing tensor's worst element located
+    (`describe`). Returns the records."""
+    op = (kernels.kda if per_channel else kernels.gated_delta_rule) if op is None else op
+    got = _run(op, draw(seed, decay, sizes, per_channel), dtype, device, sizes.cu_seqlens)
+    family = "KDA " if per_channel else ""
+    name = label or f"{family}gate gradients at {decay} decay ({str(dtype).removeprefix('torch.')}, seed {seed})"
+    return assert_parity({n: t.detach() for n, t in got.items()},
+                         reference_gradients(seed, decay, sizes, dtype, per_channel),
                          rtol=BOUNDS[dtype] if rtol is None else rtol, name=name,
-                         cu_seqlens=torch.tensor(sizes.cu_seqlens), describe=describe(sizes))
+                         cu_seqlens=torch.tensor(sizes.cu_seqlens), describe=describe(sizes, per_channel))
