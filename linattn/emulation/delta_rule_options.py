@@ -60,11 +60,18 @@ def _run(op, mode, q, k, v, g, beta, scale, initial_state, output_final_state, u
         o = parallel_cp.delta_rule(*ctx.relayout.to_contiguous(q, k, v, g, beta), op=name, scale=scale,
                                    use_qk_l2norm=use_qk_l2norm, backend="exchange", piece_op=piece_op, cp_context=ctx)
         return ctx.relayout.from_contiguous(o).to(o_dtype), None
+    return _in_fla_state_layout(
+        lambda state: op(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=output_final_state,
+                         cu_seqlens=cu_seqlens, use_qk_l2norm=use_qk_l2norm, mode=mode, compute_dtype=q.dtype),
+        initial_state, state_v_first, o_dtype, state_dtype)
+
+
+def _in_fla_state_layout(run, initial_state, state_v_first, o_dtype, state_dtype):
+    """run(initial_state) -> (o, final_state) on the references' `[N, HV, K, V]` states, in fla's
+    layout on the way in and out (`[.., V, K]` with state_v_first) and fla's dtypes on the way out."""
     if initial_state is not None and state_v_first:
         initial_state = initial_state.transpose(-1, -2)
-    o, final_state = op(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                        output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                        use_qk_l2norm=use_qk_l2norm, mode=mode, compute_dtype=q.dtype)
+    o, final_state = run(initial_state)
     if final_state is not None:
         if state_v_first:
             final_state = final_state.transpose(-1, -2)

@@ -39,6 +39,7 @@ from .delta_rule_options import (
     _check_safe_gate_bound,
     _check_varlen,
     _cp_cu_seqlens,
+    _in_fla_state_layout,
     _per_channel_gate,
     _refuse_gate_without_A_log,
     _refuse_intermediate_states,
@@ -147,16 +148,11 @@ def _run(mode, q, k, v, g, b, w, scale, initial_state, output_final_state, use_q
          cu_seqlens, o_dtype, state_dtype, function):
     """The recurrence on inputs already in the compute dtype, the gate applied; fla's returns."""
     check_packing(function, q, cu_seqlens, name="q")
-    if initial_state is not None and state_v_first:
-        initial_state = initial_state.transpose(-1, -2)
-    o, final_state = reference.gdn2(q, k, v, g, b, w, scale=scale, initial_state=initial_state,
-                                    output_final_state=output_final_state, cu_seqlens=cu_seqlens,
-                                    use_qk_l2norm=use_qk_l2norm, mode=mode, compute_dtype=q.dtype)
-    if final_state is not None:
-        if state_v_first:
-            final_state = final_state.transpose(-1, -2)
-        final_state = final_state.to(state_dtype).contiguous()
-    return o.to(o_dtype), final_state
+    return _in_fla_state_layout(
+        lambda state: reference.gdn2(q, k, v, g, b, w, scale=scale, initial_state=state,
+                                     output_final_state=output_final_state, cu_seqlens=cu_seqlens,
+                                     use_qk_l2norm=use_qk_l2norm, mode=mode, compute_dtype=q.dtype),
+        initial_state, state_v_first, o_dtype, state_dtype)
 
 
 def _context_parallel(q, k, v, g, b, w, scale, use_qk_l2norm, cp_context):

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from linattn.checks import fail, positive_int
 from linattn.reference import gated_delta_rule, kda
 
-__all__ = ["ROW_TOL", "ScaleResult", "ScaleShape", "assert_delta_rule_at_scale", "assert_rows_match",
+__all__ = ["ROW_TOL", "RowErrors", "ScaleResult", "ScaleShape", "assert_delta_rule_at_scale", "assert_rows_match",
            "delta_rule_at_scale"]
 
 ROW_TOL = 0.25  # a (token, head) row off by a quarter of the typical row norm: bf16 stays 10x below
@@ -150,7 +150,7 @@ def delta_rule_at_scale(op, shape: ScaleShape, *, dtype=torch.bfloat16, device="
     out = out.detach()
 
     names = ["o"] + ([f"d{n}" for n in INPUTS] if backward else [])
-    acc = {n: _Accumulator() for n in names}
+    acc = {n: RowErrors() for n in names}
     start = time.perf_counter()
     reference = kda if shape.per_channel_decay else gated_delta_rule
     scale = shape.head_k_dim ** -0.5
@@ -207,7 +207,7 @@ def assert_rows_match(actual: dict, reference: dict, *, rtol: float, label: str,
     AssertionError naming every tensor over rtol, with a wrong row or a NaN."""
     errors, lines = {}, []
     for name, (ref, heads) in reference.items():
-        acc = _Accumulator()
+        acc = RowErrors()
         got = actual[name]
         for lo in range(0, ref.shape[1], piece_tokens):
             hi = min(lo + piece_tokens, ref.shape[1])
@@ -224,7 +224,7 @@ def assert_rows_match(actual: dict, reference: dict, *, rtol: float, label: str,
     return errors
 
 
-class _Accumulator:
+class RowErrors:
     """Squared error and norm over the pieces, and the rows [token, head] over ROW_TOL of the
     typical row norm (known only at the end: the first piece's rows are judged by their own
     piece's typical norm, the rest by the running one; the judged scale is the reference's)."""

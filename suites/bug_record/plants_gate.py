@@ -14,7 +14,7 @@ gradient holds, and A_log's and dt_bias's gradients (sums of it over the head's 
 |g_t| up to 45) come out O(1) off while the forward is exact (cases.gate_gradients).
 
 Here: linattn's chunked reference in float32 (the op's compute dtype for bf16 inputs) with the
-intra-chunk decay exp(G_i - G_j) (reference.delta_rule._scalar_lower_decay, which takes the
+intra-chunk decay exp(G_i - G_j) (reference.delta_rule.scalar_lower_decay, which takes the
 per-token log decay g and sums it to G itself) given a backward of that form:
 dG = rowsum(M - bf16(M^T)), M = dD * D, then through the cumulative sum to g (dg_t = sum over
 i >= t of dG_i), everything else float32. Torch code only, so it runs on CPU and CUDA tensors
@@ -31,7 +31,7 @@ import torch
 from linattn import kernels, reference
 from linattn.reference import delta_rule
 
-_LOWER_DECAY = delta_rule._scalar_lower_decay
+_LOWER_DECAY = delta_rule.scalar_lower_decay
 
 
 class _DecayWithBf16Transpose(torch.autograd.Function):
@@ -62,7 +62,7 @@ def gated_delta_rule_with_a_bf16_transposed_gate_gradient(q, k, v, g, beta, scal
         g = kernels.log_decay(g, A_log, dt_bias)
     compute = q.dtype if q.dtype in (torch.float32, torch.float64) else torch.float32
     # the forward builds the graph; the planted Function's backward is in it from then on
-    with mock.patch.object(delta_rule, "_scalar_lower_decay", _DecayWithBf16Transpose.apply):
+    with mock.patch.object(delta_rule, "scalar_lower_decay", _DecayWithBf16Transpose.apply):
         o, final_state = reference.gated_delta_rule(q, k, v, g, beta, scale, initial_state, output_final_state,
                                                     cu_seqlens, compute_dtype=compute)
     return o.to(q.dtype), final_state
