@@ -54,11 +54,12 @@ def gated_delta_rule(
     float32 before the reference, on the "kda" route before the gate is broadcast.
 
     mode: "chunk" (the chunked form, every prefill) or "recurrent" (token by token, the decode
-    step's form; CPU tensors only for now). head_pairing: the module docstring's.
+    step's form: on CUDA fla's fused_recurrent kernels, forward only, no host synchronisation, so
+    a CUDA graph can capture a decode step). head_pairing: the module docstring's.
     """
     if not (route is None or route in ROUTES):
         fail("route", f"must be None or one of {ROUTES}, got {route!r}")
-    _check_mode(mode, q)
+    _check_mode(mode, q, k, v, g, beta, initial_state, A_log, dt_bias)
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=False)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, None, per_channel_gate=False)
     check_head_pairing(head_pairing)
@@ -74,7 +75,7 @@ def gated_delta_rule(
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
     if q.is_cuda and route == "gated_delta_rule":
         return _gated_delta_rule_fla(q, k, v, g, beta, *args, use_gate_in_kernel, A_log, dt_bias,
-                                     use_beta_sigmoid_in_kernel)
+                                     use_beta_sigmoid_in_kernel, mode)
     if use_gate_in_kernel:
         g = log_decay(g, A_log, dt_bias)
     if route == "kda":
@@ -114,7 +115,7 @@ def kda(
     gated_delta_rule's."""
     if route not in (None, "kda"):
         fail("route", f"must be None or 'kda' for KDA, got {route!r}")
-    _check_mode(mode, q)
+    _check_mode(mode, q, k, v, g, beta, initial_state, A_log, dt_bias)
     validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_channel_gate=True)
     _validate_gate_args(g, use_gate_in_kernel, A_log, dt_bias, lower_bound, per_channel_gate=True)
     check_head_pairing(head_pairing)
@@ -127,7 +128,7 @@ def kda(
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
     if q.is_cuda:
         return _kda_fla(q, k, v, g, beta, *args, use_gate_in_kernel, A_log, dt_bias, lower_bound,
-                        use_beta_sigmoid_in_kernel)
+                        use_beta_sigmoid_in_kernel, mode)
     if use_gate_in_kernel:
         g = log_decay(g, A_log, dt_bias, lower_bound)
     if use_beta_sigmoid_in_kernel:
@@ -222,12 +223,13 @@ def validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_
             fail("initial_state", f"must have shape {(N, HV, K, V)} (one state per sequence), got {tuple(initial_state.shape)}")
 
 
-def _check_mode(mode, q):
+def _check_mode(mode, q, *tensors):
     if mode not in MODES:
         fail("mode", f"must be one of {MODES}, got {mode!r}")
-    if mode == "recurrent" and q.is_cuda:
-        raise NotImplementedError("mode='recurrent' runs on CPU tensors only (fla's fused_recurrent kernels are not "
-                                  "wired here); use mode='chunk' on CUDA")
+    if mode == "recurrent" and q.is_cuda and torch.is_grad_enabled() and any(
+            t is not None and t.requires_grad for t in (q, *tensors)):
+        raise NotImplementedError("mode='recurrent' on CUDA runs fla 0.6.0's fused_recurrent kernels, which have no "
+                                  "backward: run it under torch.no_grad() (a decode step), or use mode='chunk'")
 
 
 def _run_reference(op, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
@@ -289,12 +291,14 @@ def _gate_kwargs(use_gate_in_kernel, A_log, dt_bias):
 
 
 def _gated_delta_rule_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-                          use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+                          use_gate_in_kernel=False, A_log=None, dt_bias=None, use_beta_sigmoid_in_kernel=False,
+                          mode="chunk"):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule, fused_recurrent_gated_delta_rule
 
     initial_state, cu_seqlens = _fla_state_args(q, initial_state, cu_seqlens)
-    o, final_state = chunk_gated_delta_rule(
-        q, k, v, g, beta,
+    entry = chunk_gated_delta_rule if mode == "chunk" else fused_recurrent_gated_delta_rule
+    o, final_state = entry(
+        q, k, v, g, beta=beta,  # by name: fused_recurrent's fifth parameter is gk
         scale=scale,
         state_v_first=True,
         initial_state=initial_state,
@@ -312,12 +316,14 @@ def _state_k_first(final_state):
 
 
 def _kda_fla(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm,
-             use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False):
-    from fla.ops.kda import chunk_kda
+             use_gate_in_kernel=False, A_log=None, dt_bias=None, lower_bound=None, use_beta_sigmoid_in_kernel=False,
+             mode="chunk"):
+    from fla.ops.kda import chunk_kda, fused_recurrent_kda
 
     selection.kda_tilelang_setting()  # FLA_TILELANG must be in force before fla dispatches
     initial_state, cu_seqlens = _fla_state_args(q, initial_state, cu_seqlens)
-    o, final_state = chunk_kda(
+    entry = chunk_kda if mode == "chunk" else fused_recurrent_kda
+    o, final_state = entry(
         q, k, v, g, beta,
         scale=scale,
         state_v_first=True,

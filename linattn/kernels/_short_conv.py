@@ -126,3 +126,34 @@ def _int32_sequence_ids(cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
     seq_idx = torch.repeat_interleave(sequences, cu_seqlens.diff(), output_size=tokens).unsqueeze(0)
     _SEQUENCE_IDS[key] = (weakref.ref(cu_seqlens, lambda _: _SEQUENCE_IDS.pop(key, None)), cu_seqlens._version, seq_idx)
     return seq_idx
+
+
+def short_conv_step(x: torch.Tensor, weight: torch.Tensor, state: torch.Tensor | None, bias: torch.Tensor | None = None,
+                    activation: str | None = "silu"):
+    """One decode step of the short conv: x `[1, N, D]`, the next input of each of N sequences;
+    weight `[D, W]`; state `[N, D, W-1]` their last W-1 inputs (None: zeros). Returns (y `[1, N, D]`
+    in x's dtype, the new state `[N, D, W-1]` in x's dtype).
+
+    Plain torch ops on any device, computed in at least float32 (float64 stays float64): no host
+    synchronisation and fixed shapes, so a CUDA graph can capture it (fla's causal_conv1d with
+    cu_seqlens reads the boundaries on the host)."""
+    if activation not in ACTIVATIONS:
+        fail("activation", f"must be one of {ACTIVATIONS}, got {activation!r}")
+    if not (isinstance(x, torch.Tensor) and x.dim() == 3 and x.shape[0] == 1):
+        fail("x", f"must be one token per sequence, [1, N, D], got {getattr(x, 'shape', x)!r}")
+    N, D = x.shape[1], x.shape[2]
+    if not (weight.dim() == 2 and weight.shape[0] == D):
+        fail("weight", f"must be [D, W] with D={D}, got shape {tuple(weight.shape)}")
+    W = weight.shape[1]
+    if state is not None and tuple(state.shape) != (N, D, W - 1):
+        fail("state", f"must be [N, D, W-1] = {(N, D, W - 1)}, got shape {tuple(state.shape)}")
+    compute = x.dtype if x.dtype in (torch.float32, torch.float64) else torch.float32
+    token = x[0].to(compute).unsqueeze(-1)  # [N, D, 1]
+    past = token.new_zeros(N, D, W - 1) if state is None else state.to(compute)
+    window = torch.cat([past, token], dim=-1)  # [N, D, W], oldest first
+    y = (window * weight.to(compute)).sum(-1)
+    if bias is not None:
+        y = y + bias.to(compute)
+    if activation is not None:
+        y = torch.nn.functional.silu(y)
+    return y.unsqueeze(0).to(x.dtype), window[..., 1:].to(x.dtype)

@@ -177,15 +177,21 @@ class HeadShardedLinearAttention(nn.Module):
     def step(self, hidden_states: torch.Tensor, state: LayerState | None) -> tuple[torch.Tensor, LayerState]:
         """One decode step: hidden_states `[1, N, hidden]`, the next token of each of N sequences
         (the whole decode batch on every rank: no CP, no SP split), state their LayerState (None:
-        zeros). The recurrence runs token by token (mode="recurrent", on CPU tensors; the chunked
-        kernel on CUDA). Returns (`[1, N, hidden]`, the state after the token)."""
+        zeros). The conv and the recurrence run token by token (`kernels.short_conv_step`, the
+        delta rule's mode="recurrent": on CUDA fla's fused_recurrent kernels), with no host
+        synchronisation, so a CUDA graph can capture the step; on CUDA with gradients to compute
+        (fla's fused_recurrent has no backward) it runs the chunked kernels instead.
+        Returns (`[1, N, hidden]`, the state after the token)."""
         if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dim() == 3 and hidden_states.shape[0] == 1
                 and hidden_states.shape[2] == self.config.hidden_size):
             raise ValueError(f"hidden_states must be one token per sequence, [1, N, {self.config.hidden_size}], "
                              f"got {getattr(hidden_states, 'shape', hidden_states)!r}")
         N = hidden_states.shape[1]
+        needs_backward = torch.is_grad_enabled() and (
+            hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())
+            or (state is not None and any(t.requires_grad for t in state)))
         carry = _Carry(None if state is None else check_layer_state(state, self.local_config, N),
-                       mode="chunk" if hidden_states.is_cuda else "recurrent")
+                       mode="chunk" if hidden_states.is_cuda and needs_backward else "recurrent")
         cu_seqlens = torch.arange(N + 1, device=hidden_states.device)
         x = copy_to_tensor_parallel_region(hidden_states, self.tp_group)
         y = self._mix_tokens(x, cu_seqlens, None, carry)
@@ -297,7 +303,9 @@ class HeadShardedLinearAttention(nn.Module):
         if carry is not None:
             state = dict(initial_state=carry.initial_conv, output_final_state=True)
             x, w = torch.cat(xs, dim=-1), torch.cat(weights, dim=0)
-            if cp_context is None:
+            if carry.mode == "recurrent":  # a decode step: one token per sequence
+                y, carry.conv = kernels.short_conv_step(x, w, carry.initial_conv)
+            elif cp_context is None:
                 y, carry.conv = kernels.short_conv(x, w, cu_seqlens=cu_seqlens, activation="silu", **state)
             else:
                 y, carry.conv = cp.short_conv(x, w, activation="silu", cp_context=cp_context, **state)

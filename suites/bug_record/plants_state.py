@@ -262,7 +262,7 @@ def capture_refilling_the_front_reading_the_tail(module, pool, batch_size, place
         destination[front].copy_(slots)
 
     return replayed(lambda out: decode_step_on(module, pool, x_buf[:, front], slot_buf[front], out,
-                                               write_rows=destination[tail]), pool, refill)
+                                               write_rows=destination[tail]), pool, refill, x_buf[:, front])
 
 
 def forward_ignoring_the_mask_when_continued(module, x, attention_mask, state, placement):

@@ -11,7 +11,7 @@ piece from the previous piece's state, and writes the state at each boundary to 
 StatePoolPath for a config; a planted bug replaces prefill or decode (module-level functions:
 spawn pickles them by reference).
 `linattn_captured_pool_path(config, capture=...)`: the same with captured decode steps (a CUDA-graph
-runner's static buffers refilled per step; a real torch.cuda.CUDAGraph is not built yet).
+runner's static buffers refilled per step; on CUDA a real torch.cuda.CUDAGraph replayed).
 `linattn_block_pool_path(config, block_size)`: block tables (the prefill maps token counts to
 blocks itself, vLLM's align mode); `linattn_load_back_path(config)`: admissions that load a
 prefix hit's snapshot into the admitted slot (copy-on-write); `linattn_pool_path(config,
@@ -121,17 +121,31 @@ def decode_step_on(module, pool, x_rows, slot_rows, out, write_rows=None):
     out["y"] = y
 
 
-def replayed(step, pool, refill):
-    """A replay of `step` after `refill(x, slots)` fills its static buffers: the step run on the
-    buffers (a CUDA graph's replay runs the captured step on them the same way). On CUDA a real
-    torch.cuda.CUDAGraph capture is not built yet: linattn's decode step runs fla's causal_conv1d
-    with cu_seqlens, whose prepare_chunk_indices syncs with the host (capture refused), and vLLM's
-    decode captured so replayed into an illegal memory access not yet located (an H100,
-    2026-12-06)."""
-    if pool[0].is_cuda:
-        raise NotImplementedError("clients.state_pool.replayed: captured steps on CUDA (a real torch.cuda.CUDAGraph) "
-                                  "are not built yet; the runner's static buffers run on a CPU")
+def replayed(step, pool, refill, x_rows):
+    """A replay of `step` after `refill(x, slots)` fills its static buffers (`x_rows`: the rows of
+    the input buffer it runs on). On CUDA `step` is captured once into a torch.cuda.CUDAGraph and
+    each replay runs the graph: first a warm-up run on a side stream with every row refilled to
+    the null slot (it runs for real: fla's kernels compile there, and its writes land in the
+    reserved slot), then the capture. On a CPU the step runs on the buffers, as the graph would."""
     out = {}
+    if pool[0].is_cuda:
+        refill(x_rows.clone(), torch.full((x_rows.shape[1],), NULL_SLOT, dtype=torch.int64, device=pool[0].device))
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad():  # a decode step: fla's fused_recurrent kernels, forward only
+            with torch.cuda.stream(side):
+                step(out)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: CUDA calls of the rank's other threads (its watchdog) do not void the capture
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                step(out)  # out["y"]: the graph's static output
+
+        def replay(x, slots, num_valid):
+            refill(x, slots)
+            graph.replay()
+            return out["y"]
+        return replay
 
     def replay(x, slots, num_valid):
         refill(x, slots)
@@ -150,11 +164,11 @@ def pool_capture(module, pool, batch_size, placement):
         x_rows.copy_(x)
         slot_rows.copy_(slots)
 
-    return replayed(lambda out: decode_step_on(module, pool, x_rows, slot_rows, out), pool, refill)
+    return replayed(lambda out: decode_step_on(module, pool, x_rows, slot_rows, out), pool, refill, x_rows)
 
 
 def linattn_captured_pool_path(config, capture=pool_capture) -> StatePoolPath:
-    """linattn's layer through the slot-pool client with captured decode steps (on a CPU: `replayed`):
+    """linattn's layer through the slot-pool client with captured decode steps (`replayed`):
     padding rows at the null slot 0, reserved (a captured graph runs them, so their writes must
     land there)."""
     return StatePoolPath(linattn_layer(config), prefill=pool_prefill, decode=None, capture=capture,

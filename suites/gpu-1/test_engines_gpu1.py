@@ -13,7 +13,8 @@ whose release is not there skips, saying so.
 Cases (each in bf16 and in float32 where the engine takes float32):
 - vLLM GDN pool: causal_conv1d_fn / causal_conv1d_update on the conv pool, the chunked prefill
   from the gathered slots, decode on fused_sigmoid_gating_delta_rule_update or the decode-only
-  fused_recurrent_gated_delta_rule_packed_decode; slot 0 the null block, padding rows at it;
+  fused_recurrent_gated_delta_rule_packed_decode; slot 0 the null block, padding rows at it; the
+  decode also captured into a real CUDA graph and replayed (bf16);
 - vLLM GDN prefix caching: the align mode's copies around the same kernels (snapshots, hits);
 - vLLM KDA pool: chunk_kda_with_fused_gate, fused_recurrent_kda_packed_decode;
 - vLLM GDN and KDA speculative decoding: `[N, 1 + K]` slot rows and num_accepted_tokens;
@@ -149,6 +150,15 @@ def test_vllm_gdn_pool_matches_the_float64_layer(spawn, decode_kernel, dtype):
     from clients.engines.vllm_gdn import vllm_pool_path
 
     check_pool(spawn, vllm_pool_path(CONFIG, decode_kernel), f"vllm-gdn-{decode_kernel}", dtype)
+
+
+@needs(VLLM)
+def test_vllm_gdn_decode_replayed_from_a_cuda_graph(spawn):
+    """vLLM's decode as its CUDA-graph runner replays it (`vllm_pool_capture`: the static state-index
+    buffer refilled per step, gdn_attn.py:648-671), captured into a real torch.cuda.CUDAGraph, bf16."""
+    from clients.engines.vllm_gdn import vllm_pool_capture, vllm_pool_path
+
+    check_pool(spawn, vllm_pool_path(CONFIG, capture=vllm_pool_capture), "vllm-gdn-captured", "bf16")
 
 
 # prefix mode: blocks of 16 tokens; sequence 0 snapshots at 16 and 32, sequence 1 hits its first 32

@@ -169,7 +169,7 @@ def vllm_pool_capture(module, pool, batch_size, placement):
     """StatePoolPath.capture: vLLM's decode of `batch_size` rows as its CUDA-graph runner replays it
     (its static state-index buffer refilled per step, gdn_attn.py:648-671): the conv update and the
     recurrence on the slots in place, the padding rows at the null block (skipped by the kernels),
-    the step run on the static buffers (`clients.state_pool.replayed`: not on CUDA yet)."""
+    the step run on the static buffers (`clients.state_pool.replayed`: on CUDA a real CUDA graph)."""
     from clients.state_pool import captured_buffers, replayed
 
     x_buf, slot_buf = captured_buffers(module, module.config.hidden_size, pool)
@@ -183,7 +183,7 @@ def vllm_pool_capture(module, pool, batch_size, placement):
         x_rows.copy_(x)
         slot_rows.copy_(slots)
 
-    return replayed(step, pool, refill)
+    return replayed(step, pool, refill, x_rows)
 
 
 def _build(config, placement, groups, dtype, device, decode_kernel="fused_sigmoid_gating"):

@@ -102,6 +102,37 @@ def test_short_conv_unknown_backend_raises():
         kernels.short_conv(x, weight, cu, bias, backend="fast")
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_short_conv_step_is_one_more_token_of_the_reference(dtype):
+    # each of N sequences: W-1 tokens from the state, then the step's token; the step's output is the
+    # reference's last token, its new state the reference's final state
+    gen = torch.Generator().manual_seed(3)
+    N, D, W = 3, 6, 4
+    past, token = torch.randn(N, D, W - 1, generator=gen, dtype=torch.float64), torch.randn(1, N, D, generator=gen, dtype=torch.float64)
+    weight, bias = torch.randn(D, W, generator=gen, dtype=torch.float64), torch.randn(D, generator=gen, dtype=torch.float64)
+    y, state = kernels.short_conv_step(token.to(dtype), weight.to(dtype), past.to(dtype), bias.to(dtype))
+    assert y.dtype == state.dtype == dtype and y.shape == (1, N, D) and state.shape == (N, D, W - 1)
+    rounded = [t.to(dtype).double() for t in (token, weight, past, bias)]
+    ref_y, ref_state = reference.short_conv(rounded[0].transpose(0, 1), rounded[1], None, rounded[3], "silu",
+                                            initial_state=rounded[2], output_final_state=True)
+    rtol = {torch.float64: 1e-14, torch.float32: 1e-6, torch.bfloat16: 1e-2}[dtype]
+    assert ((y.double() - ref_y.transpose(0, 1)).norm() / ref_y.norm()) < rtol
+    assert torch.equal(state.double(), ref_state)  # the window moves by one: a copy, exact
+    zeros_y, _ = kernels.short_conv_step(token, weight, None, bias)
+    y0, _ = kernels.short_conv_step(token, weight, torch.zeros_like(past), bias)
+    assert torch.equal(zeros_y, y0)
+
+
+def test_short_conv_step_refuses_bad_shapes():
+    token, weight = torch.randn(1, 2, 4), torch.randn(4, 3)
+    with pytest.raises(ValueError, match=r"x must be one token per sequence, \[1, N, D\]"):
+        kernels.short_conv_step(token[0], weight, None)
+    with pytest.raises(ValueError, match=r"state must be \[N, D, W-1\] = \(2, 4, 2\)"):
+        kernels.short_conv_step(token, weight, torch.randn(2, 4, 3))
+    with pytest.raises(ValueError, match="weight must be"):
+        kernels.short_conv_step(token, torch.randn(5, 3), None)
+
+
 # ---- gated delta rule and KDA ---------------------------------------------------------------
 
 @pytest.mark.parametrize("use_qk_l2norm", [False, True])
