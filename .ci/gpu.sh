@@ -61,14 +61,16 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 # (pytest_linattn.ranks.pool.thread_share honours OMP_NUM_THREADS), so give each suite about
 # nproc / (suites * 4) threads a process. Three suites at torch's default (every process all 16
 # cores) ran gpu-2's CP ops test in 208.6 s and gpu-1's fla GDN reference case in 204 s; alone,
-# 48.4 s and 35.5 s (2026-12-06, H100, docs/results.md). OMP_NUM_THREADS given by the caller wins.
+# 48.4 s and 35.5 s; with 1 thread a process every GPU file took 179 s in one call, gpu-2's CP ops
+# 23.3 s (2026-12-06, H100, docs/results.md). OMP_NUM_THREADS given by the caller wins.
 declare -A files_of
 for f in "$@"; do suite=$(basename "$(dirname "$f")"); files_of[$suite]+="$f "; done
 suites_here=${#files_of[@]}
 if [ -z "${OMP_NUM_THREADS:-}" ] && [ "$suites_here" -gt 1 ]; then
-  per=$(( $(nproc) / (suites_here * 4) )); [ "$per" -lt 1 ] && per=1
+  cores=$(nproc)  # before OMP_NUM_THREADS is set: nproc honours it
+  per=$(( cores / (suites_here * 4) )); [ "$per" -lt 1 ] && per=1
   export OMP_NUM_THREADS=$per
-  echo "threads: $OMP_NUM_THREADS a process ($suites_here suites side by side on $(nproc) cores)"
+  echo "threads: $OMP_NUM_THREADS a process ($suites_here suites side by side on $cores cores)"
 fi
 pids=()
 for suite in "${!files_of[@]}"; do

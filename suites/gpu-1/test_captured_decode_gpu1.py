@@ -34,12 +34,13 @@ from pytest_linattn.harness import Placement, SequencePlan, assert_state_pool_pa
 pytestmark = pytest.mark.gpus(1)
 
 CONFIGS = {"qwen3_5": gpu_config("qwen3_5"), "kda": gpu_config("kda", gate_lower_bound=-5.0)}
-SEQLENS = (40, 6, 70, 9, 12)
-CU = torch.tensor([0, *SEQLENS]).cumsum(0).to(torch.int32)
-# chunks crossing fla's 64-token chunk and 1-token first chunks; up to 3 sequences decoding at once,
-# so decode calls of 1, 2 and 3 rows pad to the captured sizes 1, 2 and 4
-PLANS = [SequencePlan((1, 4), 6), SequencePlan((3,), 3), SequencePlan((30, 7), 4), SequencePlan((2,), 7),
+# each sequence: its prefill chunks, then its decode steps (a chunk crossing fla's 64-token chunk,
+# 1-token first chunks); up to 3 sequences decoding at once, so decode calls of 1, 2 and 3 rows pad
+# to the captured sizes 1, 2 and 4
+PLANS = [SequencePlan((1, 4), 6), SequencePlan((3,), 3), SequencePlan((30, 40), 4), SequencePlan((2,), 7),
          SequencePlan((5,), 5)]
+SEQLENS = (11, 6, 74, 9, 10)
+CU = torch.tensor([0, *SEQLENS]).cumsum(0).to(torch.int32)
 CAPTURE_SIZES = (1, 2, 4)
 
 
