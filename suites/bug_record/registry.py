@@ -405,6 +405,18 @@ BUGS = (
             "fla's conv output in the test; the dy is strided with cu_seqlens and an initial state, so #1138's dh0 "
             "kernel runs (fla's fix passes, the plant's dy reaches it: dh0 caught), but #1138's own mechanism (y "
             "addressed with dy's strides) is not planted")),
+    Bug("fla-826", "N29", (gh("fla-org/flash-linear-attention", 826, "pull"),
+                           gh("fla-org/flash-linear-attention", 640)),
+        "Hopper + Triton >= 3.4 miscompiles `tl.trans` of a wgmma-layout tensor in chunk_bwd_kernel_dqkwg: the "
+        "gated delta rule's db and dg wrong, the forward right", "kernel (toolchain)", "No", "kernel", None,
+        "kernel", suite="fla-interpret",
+        kernel_test="suites/fla-interpret/test_gdn_backward_record.py::test_dqkwg_losing_the_transpose_is_caught",
+        fidelity="partial", fidelity_note=("the miscompile's effect, not the compiler's bug: dk's product with the "
+            "transpose of b_ds lost, in a copy of fla 0.6.0's chunk_o module made at test time and run under "
+            "Triton's interpreter on a CPU (fla 0.6.0 refuses this backward on Hopper with Triton in [3.4.0, 3.7.1), "
+            "the only GPUs and Triton lent here); caught with dk and dg wrong, the forward right (the report names db "
+            "and dg: which transpose miscompiled is not in the thread). The check is the op's gradients against the "
+            "float64 reference, which catches the compiled kernel's error the same way where it runs")),
     Bug("transformers-46741", "22", (gh("huggingface/transformers", 46741),),
         "Mamba2 mixers took the 1-token decode branch for any cached forward: one recurrent step on token 0",
         "kernel selection / state carry", "Partly", "continuation", _path(prefill=S.prefill_through_the_decode_step),
@@ -792,9 +804,6 @@ NOT_YET = (
            "check (harness.scale.assert_rows_match takes any op's tensors), on a GPU past 61K tokens"),
     NotYet("N27", (gh("fla-org/flash-linear-attention", 913),), "Blackwell: NaN gradients and out-of-bounds reads",
            "a Blackwell GPU"),
-    NotYet("N29", (gh("fla-org/flash-linear-attention", 826, "pull"),), "Hopper + Triton >= 3.4 miscompiles a "
-           "transposed wgmma tensor in the GDN backward", "fla 0.6.0 refuses that backward on Hopper with Triton 3.6 "
-           "(seen again at scale, 2026-12-06); a Triton where it runs"),
 )
 
 
