@@ -2,7 +2,8 @@
 each padded batch size captured once and replayed with its static buffers refilled. linattn's
 layer through the project's runner (suites/clients/state_pool.py, `linattn_captured_pool_path`)
 passes at TP 1 with batches padded to 1, 2 and 4 rows (the 4-row graph uses the whole static
-buffer); the record runs it at TP 2 with sglang #32555's refill planted (bug_record.registry)."""
+buffer), and on gpu-1's captured-decode cases in float64 (on a GPU the same runner replays real
+CUDA graphs); the record runs it at TP 2 with sglang #32555's refill planted (bug_record.registry)."""
 
 import pytest
 import torch
@@ -20,6 +21,15 @@ def test_a_captured_runner_passes_with_batches_of_every_size(spawn):
     assert_state_pool_parity(spawn, linattn_captured_pool_path(CONFIG), replicated_layer(CONFIG, 41), [Placement()],
                              CU, plans=PLANS, hidden_size=CONFIG.hidden_size, seed=42, rtol=1e-10, max_live=3,
                              capture_sizes=(1, 2, 4), name="captured")
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kda"])
+def test_the_gpu_files_captured_cases_in_float64(spawn, family):
+    """gpu-1's captured-decode cases (cases.captured_decode: GPU_HEADS, sizes 1, 2 and 4) through the
+    same runner in float64 on a CPU: the case table is sound before a GPU reads it."""
+    from cases.captured_decode import CONFIGS, check
+
+    check(spawn, family, linattn_captured_pool_path(CONFIGS[family]), f"gpu-cases-{family}", torch.float64, 1e-10)
 
 
 def test_decode_or_capture_one_of_them():
