@@ -3,7 +3,8 @@
 On CPU tensors both run linattn.reference in the input's dtype (chunked form). On CUDA tensors
 they run fla 0.6.0: `chunk_gated_delta_rule`, or for the "kda" route `chunk_kda` with the
 per-head gate broadcast over the key channels (GDN is KDA with a gate constant across K), and
-`chunk_kda` for KDA. Shapes follow fla: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a
+`chunk_kda` for KDA; with mode="recurrent" (a decode step, forward only) their `fused_recurrent_*`
+kernels. Shapes follow fla: q, k `[B, T, H, K]`; v `[B, T, HV, V]` with HV a
 multiple of H; g `[B, T, HV]` (GDN) or `[B, T, HV, K]` (KDA); beta `[B, T, HV]`;
 initial_state `[N, HV, K, V]`. Returns (o `[B, T, HV, V]` in q's dtype, final state or None).
 
