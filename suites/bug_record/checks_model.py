@@ -25,11 +25,10 @@ import torch
 
 from bug_record.checks import CONFIG, CU, RTOL, SEED, reference
 from cases.layer_parity import linattn_layer
-from linattn.layers import GatedDeltaNet, build_layer
+from linattn.layers import GatedDeltaNet
 from pytest_linattn.harness import Placement, assert_sharded_parity
 from pytest_linattn.harness.checkpoint import assert_checkpoint_round_trip
 from pytest_linattn.harness.fresh_init import assert_fresh_init_is_finite
-from pytest_linattn.parity import assert_parity
 
 
 @functools.lru_cache(maxsize=1)
@@ -46,23 +45,7 @@ def oracle(cls=None):
     """test_replicated_layer_matches_reference_composition's check on the replicated layer of
     class `cls` (default the project's): output, dx and every parameter gradient <= 1e-12."""
     math_tests = _layer_math()
-    config = math_tests.make_config("qwen3_5", 2)
-    sd = math_tests.random_state_dict(config, SEED)
-    x, dy, cu = math_tests.packed_inputs(config, SEED)
-    layer = build_layer(config, dtype=torch.float64) if cls is None else cls(config, dtype=torch.float64)
-    layer.load_state_dict(sd)
-    x_layer = x.clone().requires_grad_()
-    y = layer(x_layer, cu)
-    (y * dy).sum().backward()
-    params = {n: t.clone().requires_grad_() for n, t in sd.items()}
-    x_oracle = x.clone().requires_grad_()
-    y_ref = math_tests.oracle_gated_deltanet(params, x_oracle, cu, config)
-    (y_ref * dy).sum().backward()
-    rtol = math_tests.MATH_RTOL
-    assert_parity(y, y_ref, rtol=rtol, name="qwen3_5-gva2 output", cu_seqlens=cu)
-    assert_parity(x_layer.grad, x_oracle.grad, rtol=rtol, name="qwen3_5-gva2 dx", cu_seqlens=cu)
-    assert_parity({n: p.grad for n, p in layer.named_parameters()}, {n: t.grad for n, t in params.items()},
-                  rtol=rtol, name="qwen3_5-gva2 grad")
+    math_tests.assert_layer_matches_oracle(math_tests.make_config("qwen3_5", 2), SEED, "qwen3_5-gva2", cls)
 
 
 def checkpoint(spawn, io=None, quantized=False):

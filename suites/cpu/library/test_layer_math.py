@@ -130,15 +130,14 @@ def oracle_kimi_delta_attention(p, x, cu, c):
     return o.reshape(1, T, -1) @ p["o_proj.weight"].T
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_replicated_layer_matches_reference_composition(case):
-    family, ratio, extra = CASES[case]
-    config = make_config(family, ratio, **extra)
-    seed = 1000 + list(CASES).index(case)
+def assert_layer_matches_oracle(config, seed, name, layer_cls=None):
+    """The replicated float64 layer (`layer_cls`, default build_layer's) against the oracle composed
+    here on the same weights and packed inputs: output, dx and every parameter gradient <= MATH_RTOL.
+    The bug record's oracle check (bug_record.checks_model) runs it on a planted class."""
     sd = random_state_dict(config, seed)
     x, dy, cu = packed_inputs(config, seed)
 
-    layer = build_layer(config, dtype=torch.float64)
+    layer = build_layer(config, dtype=torch.float64) if layer_cls is None else layer_cls(config, dtype=torch.float64)
     layer.load_state_dict(sd)
     x_layer = x.clone().requires_grad_()
     y = layer(x_layer, cu)
@@ -146,14 +145,20 @@ def test_replicated_layer_matches_reference_composition(case):
 
     params = {n: t.clone().requires_grad_() for n, t in sd.items()}
     x_oracle = x.clone().requires_grad_()
-    oracle = oracle_kimi_delta_attention if family == "kda" else oracle_gated_deltanet
+    oracle = oracle_kimi_delta_attention if config.family == "kda" else oracle_gated_deltanet
     y_ref = oracle(params, x_oracle, cu, config)
     (y_ref * dy).sum().backward()
 
-    assert_parity(y, y_ref, rtol=MATH_RTOL, name=f"{case} output", cu_seqlens=cu)
-    assert_parity(x_layer.grad, x_oracle.grad, rtol=MATH_RTOL, name=f"{case} dx", cu_seqlens=cu)
+    assert_parity(y, y_ref, rtol=MATH_RTOL, name=f"{name} output", cu_seqlens=cu)
+    assert_parity(x_layer.grad, x_oracle.grad, rtol=MATH_RTOL, name=f"{name} dx", cu_seqlens=cu)
     grads = {n: p.grad for n, p in layer.named_parameters()}
-    assert_parity(grads, {n: t.grad for n, t in params.items()}, rtol=MATH_RTOL, name=f"{case} grad")
+    assert_parity(grads, {n: t.grad for n, t in params.items()}, rtol=MATH_RTOL, name=f"{name} grad")
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_replicated_layer_matches_reference_composition(case):
+    family, ratio, extra = CASES[case]
+    assert_layer_matches_oracle(make_config(family, ratio, **extra), 1000 + list(CASES).index(case), case)
 
 
 # ---- Hugging Face state dicts load as they are ----------------------------------------------
