@@ -50,12 +50,12 @@ def pool_prefill(module, x, cu_seqlens, pool, slots, fresh, placement, snapshot_
         y, new = prefill_in_pieces(module, x, cu_seqlens, state, pool, inner_snapshot_slots, inner_snapshot_offsets)
     else:
         y, new = module(x, cu_seqlens, state, output_final_state=True)
-    for f, n in zip(pool, new):
-        f[slots] = n
+    for f, n in zip(pool, new):  # in the pool's dtype (fla's chunk kernels return a float32 state)
+        f[slots] = n.to(f.dtype)
     if snapshot_slots is not None:
         taken = snapshot_slots >= 0
         for f, n in zip(pool, new):
-            f[snapshot_slots[taken]] = n[taken]
+            f[snapshot_slots[taken]] = n[taken].to(f.dtype)
     return y
 
 
@@ -81,7 +81,7 @@ def prefill_in_pieces(module, x, cu_seqlens, state, pool, inner_slots, inner_off
         for k, n in enumerate(rows):
             if r < len(cuts[n]):  # the piece ends on an inner boundary: its snapshot
                 for f, piece_state in zip(pool, new):
-                    f[cuts[n][r][1]] = piece_state[k]
+                    f[cuts[n][r][1]] = piece_state[k].to(f.dtype)
     return y, LayerState(*current)
 
 
@@ -90,7 +90,7 @@ def pool_decode(module, x, pool, slots, num_valid, placement):
     valid = slots[:num_valid]
     y, new = module.step(x[:, :num_valid], LayerState(*(f[valid] for f in pool)))
     for f, n in zip(pool, new):
-        f[valid] = n
+        f[valid] = n.to(f.dtype)
     return torch.cat([y, torch.zeros_like(x[:, num_valid:])], dim=1)
 
 

@@ -1,8 +1,8 @@
 """Captured decode steps on a real torch.cuda.CUDAGraph: linattn's layer through the project's
 CUDA-graph runner (suites/clients/state_pool.py, `linattn_captured_pool_path`), bf16 on one GPU,
 through `assert_state_pool_parity` against the replicated float64 layer on the same bf16-rounded
-weights, at BF16_RTOL: every token's output, every final state, every live slot a call did not
-schedule bitwise unchanged. The cases (suites/cases/captured_decode.py) run on a CPU in float64
+weights, at BF16_RTOL (the pool in bf16; for GDN once more with float32 recurrent slots): every
+token's output, every final state, every live slot a call did not schedule bitwise unchanged. The cases (suites/cases/captured_decode.py) run on a CPU in float64
 too (suites/cpu/plugin/test_state_pool_captured.py).
 
 Each padded decode batch size (1, 2 and 4 rows) is captured once (a warm-up on a side stream with
@@ -35,6 +35,12 @@ BF16 = torch.bfloat16
 
 def test_linattn_gdn_decode_replayed_from_a_cuda_graph(spawn):
     check(spawn, "qwen3_5", linattn_captured_pool_path(CONFIGS["qwen3_5"]), "captured-qwen3_5", BF16, RTOL)
+
+
+def test_linattn_gdn_decode_replayed_with_a_float32_recurrent_pool(spawn):
+    """vLLM's mamba_ssm_cache_dtype=float32: the recurrent slots in float32 under a bf16 layer."""
+    path = dataclasses.replace(linattn_captured_pool_path(CONFIGS["qwen3_5"]), state_dtypes={"recurrent": torch.float32})
+    check(spawn, "qwen3_5", path, "captured-qwen3_5-f32-pool", BF16, RTOL)
 
 
 def test_linattn_kda_decode_replayed_from_a_cuda_graph(spawn):

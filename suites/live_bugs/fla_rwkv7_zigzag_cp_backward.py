@@ -15,10 +15,13 @@ import torch
 import torch.distributed as dist
 
 DEVICE = sys.argv[2] if sys.argv[1:2] == ["--device"] else "cuda" if torch.cuda.is_available() else "cpu"
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 if DEVICE == "cpu":  # fla's kernels on a CPU: the interpreter, with linattn's patches (before fla's import)
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
     from linattn.emulation.interpreted import prepare_process
     prepare_process()
+else:  # each kernel's first config, none timed: fla's DPLR kernels autotune over dozens (minutes of compiling)
+    from pytest_linattn.autotune import patch_autotuner
+    patch_autotuner()
 
 import fla  # noqa: E402
 import fla.ops.generalized_delta_rule.dplr.chunk as dplr  # noqa: E402
