@@ -2,7 +2,6 @@
 r, w, a and b wrong on a rank holding more than two sequence pieces.
 
     python suites/live_bugs/fla_rwkv7_zigzag_cp_backward.py [--device cuda]   # default: CPU, Triton's interpreter
-
 Zigzag's compress_h0 (fla/ops/cp/chunk_delta_h.py:274) saves the CP initial state as rows [0, front_num_seqs];
 ChunkDPLRDeltaRuleFunction.backward (fla/ops/generalized_delta_rule/dplr/chunk.py:293) expands it only when it
 has one row (contiguous), so its recompute chunk_dplr_fwd_h (`h0 + (i_n*H + i_h)*K*V`) starts local sequence
@@ -16,12 +15,11 @@ import torch.distributed as dist
 
 DEVICE = sys.argv[2] if sys.argv[1:2] == ["--device"] else "cuda" if torch.cuda.is_available() else "cpu"
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-if DEVICE == "cpu":  # fla's kernels on a CPU: the interpreter, with linattn's patches (before fla's import)
+if DEVICE == "cpu":  # fla's kernels on a CPU: the interpreter, with linattn's patches
     from linattn.emulation.interpreted import prepare_process
-    prepare_process()
 else:  # each kernel's first config, none timed: fla's DPLR kernels autotune over dozens (minutes of compiling)
-    from pytest_linattn.autotune import patch_autotuner
-    patch_autotuner()
+    from pytest_linattn.autotune import patch_autotuner as prepare_process
+prepare_process()  # before fla's import
 
 import fla  # noqa: E402
 import fla.ops.generalized_delta_rule.dplr.chunk as dplr  # noqa: E402
@@ -51,7 +49,6 @@ def run(index, **where):
 
 def rank_main(rank):
     dist.init_process_group("gloo", init_method="tcp://127.0.0.1:29517", rank=rank, world_size=WORLD)
-    torch.cuda.set_device(rank % torch.cuda.device_count()) if DEVICE == "cuda" else None
     cp.chunk_delta_h.all_gather_into_tensor = host_gather
     for module in (cp.chunk_fwd, cp.chunk_bwd, cp.chunk_merge, cp.chunk_delta_h):  # fla wants CUDA sm >= 8
         module._check_cp_device = lambda device: None
