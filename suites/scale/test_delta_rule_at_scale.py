@@ -127,7 +127,7 @@ def conv_matches_float64_pieces(conv, backend, tokens):
     errors = {n: acc.error() for n, acc in rows.items()}
     first = {n: acc.first_wrong() for n, acc in rows.items()}
     errors["dweight"] = float((weight.grad.double() - d_weight).norm() / d_weight.norm())
-    print(f"short_conv {backend} 1x{T:,}x{D} ({T * D:.3e} elements): "
+    print(f"short_conv {backend or 'default'} 1x{T:,}x{D} ({T * D:.3e} elements): "
           + ", ".join(f"{n} {e:.2e}" for n, e in errors.items()) + f"; first wrong token {first}; peak {peak:.1f} GiB")
     assert all(e <= BF16_RTOL for e in errors.values()) and first == {"y": None, "dx": None}, (errors, first)
 
