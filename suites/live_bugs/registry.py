@@ -13,7 +13,8 @@ URL, with `upstream_state`: "open" or "none found").
 
 An entry without a repro (`repro=""`) is one whose demonstration needs a GPU: `gpu_evidence` then
 names the row of docs/results.md that measured it (a phrase of its result cell), and the page quotes
-that row's sentence, date, machine, commit and command; it never claims a repro.
+that row's sentence, date, machine, commit and command; it never claims a repro. An entry with a
+repro may name one too: the repro's run on a GPU (compiled kernels), quoted beside the CPU run.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class LiveBug:
     upstream_state: str = "none found"
     repro: str = ""  # "suites/live_bugs/<name>.py"; "" where the demonstration needs a GPU
     shows: str = ""  # a regex the repro's output must match (the bug shown)
-    gpu_evidence: str = ""  # without a repro: a phrase of the docs/results.md row that measured it
+    gpu_evidence: str = ""  # a phrase of the docs/results.md row of its GPU run (the repro's, or the test's)
     repro_note: str = ""  # how the repro runs the release's code on a CPU, where it is not plain
     line: str = ""  # a regex picking the output line the table shows; "" = the line where `shows` ends
     timeout: int = 300  # seconds the repro may run

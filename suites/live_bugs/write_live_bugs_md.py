@@ -6,8 +6,9 @@ For each entry of `suites/live_bugs/registry.py`: checks that the installed rele
 pinned one (for vLLM and sglang, whose kernel files the repros load from .engines/, that the fetched
 files are the pinned wheel's), runs its standalone repro (`python <repro>`, in a process of its own,
 with the entry's timeout), keeps its output (stdout) and the seconds it took, and checks that the
-output shows the bug (`LiveBug.shows`); an entry whose demonstration needs a GPU quotes the
-docs/results.md row that measured it (`LiveBug.gpu_evidence`). Then writes the table with the date,
+output shows the bug (`LiveBug.shows`); where an entry names a GPU run (`LiveBug.gpu_evidence`: the
+repro's on a GPU, or the test's where the demonstration needs one) the page quotes that
+docs/results.md row. Then writes the table with the date,
 the git commit and the command. Nothing in docs/live-bugs.md is typed by hand; the generator stops,
 writing nothing, where a repro fails, times out or no longer shows its bug, or a release is not the
 pinned one.
@@ -122,7 +123,8 @@ def render(rows: dict[str, dict], date: str, commit: str, seconds: float) -> str
         "promise to handle, accepted without an error), *latent (no caller)* (nothing in the pinned releases",
         "runs it; a client written the way a user would reaches it). The \"why\" column gives the evidence.",
         "A row without a repro needs a GPU: it says so, and quotes the run of the project's test that",
-        "measured it (the results page's row).",
+        "measured it (the results page's row). A repro also run on a GPU, fla's kernels compiled, quotes",
+        "that run's row beside this page's.",
         "",
         f"**{len(LIVE_BUGS)} live bugs, {len(with_repro)} with a standalone repro run on this page's machine, "
         f"{len(LIVE_BUGS) - len(with_repro)} on a GPU only.**",
@@ -142,10 +144,13 @@ def render(rows: dict[str, dict], date: str, commit: str, seconds: float) -> str
             repro = f"`python {b.repro}` ({row['seconds']:.1f} s{note})"
             measured = f"`{_cell(row['line'])}` ([output](#{b.key}))"
         else:
-            g = row["gpu"]
             repro = f"GPU only: no standalone repro; the evidence is the strict xfail `{_cell(b.found_by)}`"
-            measured = (f"{_cell(g['sentence'])} ({_cell(g['date'])}, {_cell(g['machine'])}, commit "
-                        f"{_cell(g['commit'])}, {_cell(g['command'])}; [results](results.md))")
+            measured = ""
+        if b.gpu_evidence:
+            g = row["gpu"]
+            measured += ("; on a GPU: " if measured else "") + (
+                f"{_cell(g['sentence'])} ({_cell(g['date'])}, {_cell(g['machine'])}, commit "
+                f"{_cell(g['commit'])}, {_cell(g['command'])}; [results](results.md))")
         upstream = f"[{_report_name(b.upstream)}]({b.upstream}): {b.upstream_state}" if b.upstream else b.upstream_state
         lines.append(f"| {i} | **{b.key}**: `{b.release}` | {_cell(b.where)} | {check} "
                      f"| {repro} | {measured} | *{b.verdict}* | {_cell(b.verdict_why)} | {upstream} |")
@@ -167,7 +172,9 @@ def main() -> None:
             version = f"{b.release.partition('==')[2]} (the GPU kit's)"
         elif version != b.release.partition("==")[2]:
             raise SystemExit(f"{b.key}: {b.release} is pinned, {version} installed: docs/live-bugs.md not written")
-        row = run_repro(b) if b.repro else dict(gpu=gpu_row(b))
+        row = run_repro(b) if b.repro else {}
+        if b.gpu_evidence:
+            row["gpu"] = gpu_row(b)
         rows[b.key] = dict(row, installed=version)
         print(f"{b.key}: {row.get('line') or 'GPU only: ' + row['gpu']['sentence']}")
     seconds = time.monotonic() - started
