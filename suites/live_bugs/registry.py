@@ -61,6 +61,7 @@ LIVE_BUGS = (
         upstream="https://github.com/fla-org/flash-linear-attention/pull/955", upstream_state="open",
         repro="suites/live_bugs/fla_955_causal_conv1d_varlen_batch.py",
         shows=r"x \[2, 24, 32\], uninitialized memory NaN: nan",
+        gpu_evidence="The repro: 2 rows with cu_seqlens, dweight 1.00e+00",
         repro_note="fla's kernel under Triton's interpreter on a CPU (compiled on CUDA); on a CPU the unwritten rows "
                    "show with PyTorch's NaN fill of uninitialized memory"),
     LiveBug(
@@ -121,7 +122,8 @@ LIVE_BUGS = (
               r"dr (nan|inf|[1-9]\.\d+e(\+\d\d|-0[0-2]))[\s\S]*?backward \[2, 1, 16, 16\]; dr per local sequence: "
               r"0 \d\.\d+e[-+]\d\d, 1 [1-9]\.\d+e-0[1-2][\s\S]*?the full state saved\):\n  rank 0: o "
               r"\d\.\d+e-0[5-9], dr \d\.\d+e-0[5-9]",
-        line=r"rank 0, local cu_seqlens"),
+        line=r"rank 0, local cu_seqlens",
+        gpu_evidence="dr per local sequence on rank 0: 0 0.00e+00, 1 5.95e-01, 2 2.64e-01"),
     LiveBug(
         "fla-fused-recurrent-kda-ssm-state-indices", "flash-linear-attention==0.6.0",
         "public `fused_recurrent_kda` (`fla/ops/kda/fused_recurrent.py:338`): no `ssm_state_indices` parameter, "

@@ -93,7 +93,7 @@ def gpu_row(bug: LiveBug) -> dict:
     for line in (ROOT / "docs" / "results.md").read_text().splitlines():
         if bug.gpu_evidence in line:
             cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-            sentence = next(s for s in re.split(r"(?<=\))\. |(?<=[a-z])\. ", cells[1]) if bug.gpu_evidence in s)
+            sentence = next(s for s in re.split(r"(?<=\))\. |(?<=[a-z])\. |(?<=\d)\. (?=[A-Z])", cells[1]) if bug.gpu_evidence in s)
             return dict(sentence=sentence.rstrip("."), date=cells[2], machine=cells[3], commit=cells[4],
                         command=cells[5])
     raise SystemExit(f"{bug.key}: no row of docs/results.md holds {bug.gpu_evidence!r}: docs/live-bugs.md not written")
