@@ -498,7 +498,8 @@ BUGS = (
         "stateful", located=where.captured_destination_tail(),
         fidelity="moved", fidelity_note=("sglang's track-save destination (the prefix cache's snapshot slots) in "
             "Nemotron's decode; planted as the destination of the decode's own state write in the project's "
-            "captured runner (suites/clients/state_pool.py)")),
+            "captured runner (suites/clients/state_pool.py)"),
+        gpu_test="suites/gpu-1/test_captured_decode_gpu1.py::test_the_front_refill_read_at_the_tail_is_caught_on_the_graph"),
     Bug("spec-decode-verify", "29", (gh("sgl-project/sglang", 27658), gh("sgl-project/sglang", 40419),
                                      gh("vllm-project/vllm-ascend", 12255), gh("NVIDIA/TensorRT-LLM", 13782)),
         "spec-decode verify keeps the state advanced by rejected drafts", "MTP / spec decode", "No",
