@@ -96,7 +96,7 @@ SAVE_DEFAULT=0; [ -n "${LINATTN_GPU_WITH:-}" ] && SAVE_DEFAULT=1  # only a searc
 if [ "${LINATTN_SAVE_CACHE:-$SAVE_DEFAULT}" = 1 ]; then
   find "$TRITON_CACHE_DIR" -type f \( -name '*.ttir' -o -name '*.ttgir' -o -name '*.llir' -o -name '*.ptx' \
     -o -name '*.source' \) -delete
-  python3 .ci/prune-triton-cache.py "$TRITON_CACHE_DIR"
+  python3 .ci/prune-triton-cache.py "$TRITON_CACHE_DIR" "$LOGS"/*/compile  # keeps what the tests loaded
   tar -cf - -C "$TRITON_CACHE_DIR" . | xz -T0 -9 --block-size=32MiB | split -b 15M - "$OUT/triton-cache.txz."
   du -ch "$OUT"/triton-cache.txz.* | tail -1
 fi

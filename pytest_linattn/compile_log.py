@@ -5,7 +5,10 @@ run (the test processes and the ranks) logs each Triton compile that missed the 
 (`triton.knobs.compilation.listener`: end time, seconds, kernel), and the test processes log
 each test's start and end. `per_file_seconds(folder)` then gives per test file its tests' time and
 the compile seconds spent while they ran (a compile in a test process counts to that process's
-test; one in a rank to the test running then). Without the variable nothing is installed.
+test; one in a rank to the test running then). Every kernel a process loads, compiled or from the
+cache, is logged too (its cache folder: `loaded_cache_folders(folder)`), so the cache saved after
+the run keeps what the run used (.ci/prune-triton-cache.py). Without the variable nothing is
+installed.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 ENV = "LINATTN_COMPILE_LOG"
 
-__all__ = ["ENV", "install", "per_file_seconds", "test_finished", "test_started"]
+__all__ = ["ENV", "install", "loaded_cache_folders", "per_file_seconds", "test_finished", "test_started"]
 
 
 def _folder() -> Path | None:
@@ -54,6 +57,9 @@ def install() -> None:
         if not cache_hit:
             name = getattr(src, "name", None) or metadata.get("name", "?")
             _append("compile", f"{time.time():.3f}\t{times.total / 1e6:.3f}\t{name}")
+        files = list((metadata_group or {}).values())
+        if files:  # the kernel's folder in the cache: every file of its group lies there
+            _append("loaded", Path(files[0]).parent.name)
 
     knobs.compilation.listener = listener
 
@@ -94,6 +100,13 @@ def per_file_seconds(folder: str | Path) -> dict[str, dict[str, float]]:
                 out[window[3]]["compile"] += float(seconds) / len(own)
                 out[window[3]]["kernels"] += 1 / len(own)
     return dict(out)
+
+
+def loaded_cache_folders(*folders: str | Path) -> set[str]:
+    """The Triton cache folders (their names) of the kernels the processes logging into `folders`
+    loaded, compiled or from the cache."""
+    return {line for folder in folders for path in Path(folder).glob("loaded-*.tsv")
+            for line in path.read_text(encoding="utf-8").split()}
 
 
 if __name__ == "__main__":  # python -m pytest_linattn.compile_log FOLDER: the table

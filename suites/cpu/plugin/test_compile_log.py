@@ -1,5 +1,10 @@
 """The GPU summary's per-file compile seconds (pytest_linattn.compile_log): a compile counts to the
-test its own process ran then, a rank's to the test running then; nothing without the folder."""
+test its own process ran then, a rank's to the test running then; every kernel loaded is logged by
+its cache folder; nothing without the folder."""
+
+import os
+
+import pytest
 
 from pytest_linattn import compile_log
 from pytest_linattn.rerun import per_file_markdown
@@ -25,3 +30,17 @@ def test_nothing_is_logged_without_the_folder(monkeypatch, tmp_path):
     compile_log.test_started("x.py::t")
     assert list(tmp_path.iterdir()) == []
     assert per_file_markdown(None) == ""
+
+
+def test_every_kernel_loaded_is_logged_by_its_cache_folder(monkeypatch, tmp_path):
+    """Compiled or a cache hit: the kernel's cache folder, so the cache saved after the run keeps it."""
+    knobs = pytest.importorskip("triton").knobs
+    monkeypatch.setenv(compile_log.ENV, str(tmp_path))
+    monkeypatch.setattr(knobs.compilation, "listener", None)
+    compile_log.install()
+    times = type("Times", (), {"total": 2_000_000})()
+    for folder, hit in (("HASHA", False), ("HASHB", True)):
+        group = {"k.json": f"/cache/{folder}/k.json", "k.cubin": f"/cache/{folder}/k.cubin"}
+        knobs.compilation.listener(src=None, metadata={"name": "k"}, metadata_group=group, times=times, cache_hit=hit)
+    assert compile_log.loaded_cache_folders(tmp_path) == {"HASHA", "HASHB"}
+    assert len((tmp_path / f"compile-{os.getpid()}.tsv").read_text().splitlines()) == 1  # the miss
