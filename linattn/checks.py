@@ -24,6 +24,12 @@ def fail(name: str, rule: str):
     raise ValueError(f"{name} {rule}")
 
 
+def wants_grad(*tensors) -> bool:
+    """Whether autograd will want gradients of any of `tensors` (None entries skipped): the kernels
+    and the layers' decode step pick a differentiable path by it."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
 def positive_int(value, name: str) -> int:
     """value as an int, unless it is not an integer >= 1 (a bool is not): ValueError naming `name`."""
     __tracebackhide__ = True

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn import selection
-from linattn.checks import fail, require
+from linattn.checks import fail, require, wants_grad
 from linattn.heads import check_head_pairing, from_grouped, to_grouped
 
 from ._norm import at_least_float32
@@ -70,7 +70,7 @@ def gated_delta_rule(
                                A_log=A_log, dt_bias=dt_bias, use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
                                mode=mode, head_pairing=head_pairing)
     if route is None:
-        needs_backward = _wants_grad(q, k, v, g, beta, A_log, dt_bias)
+        needs_backward = wants_grad(q, k, v, g, beta, A_log, dt_bias)
         route = selection.gdn_route(needs_backward) if q.is_cuda else "gated_delta_rule"
     args = (scale, initial_state, output_final_state, cu_seqlens, use_qk_l2norm)
     if q.is_cuda and route == "gated_delta_rule":
@@ -223,15 +223,10 @@ def validate_delta_rule_inputs(q, k, v, g, beta, initial_state, cu_seqlens, per_
             fail("initial_state", f"must have shape {(N, HV, K, V)} (one state per sequence), got {tuple(initial_state.shape)}")
 
 
-def _wants_grad(*tensors) -> bool:
-    """Whether autograd will want gradients of any of `tensors` (None entries skipped)."""
-    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
-
-
 def _check_mode(mode, q, *tensors):
     if mode not in MODES:
         fail("mode", f"must be one of {MODES}, got {mode!r}")
-    if mode == "recurrent" and q.is_cuda and _wants_grad(q, *tensors):
+    if mode == "recurrent" and q.is_cuda and wants_grad(q, *tensors):
         raise NotImplementedError("mode='recurrent' on CUDA runs fla 0.6.0's fused_recurrent kernels, which have no "
                                   "backward: run it under torch.no_grad() (a decode step), or use mode='chunk'")
 

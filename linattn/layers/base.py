@@ -43,7 +43,7 @@ from linattn.parallel.mappings import (
     reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from linattn.checks import validate_cu_seqlens
+from linattn.checks import validate_cu_seqlens, wants_grad
 
 from .config import LinearAttentionConfig
 from .state import LayerState, check_layer_state
@@ -187,9 +187,7 @@ class HeadShardedLinearAttention(nn.Module):
             raise ValueError(f"hidden_states must be one token per sequence, [1, N, {self.config.hidden_size}], "
                              f"got {getattr(hidden_states, 'shape', hidden_states)!r}")
         N = hidden_states.shape[1]
-        needs_backward = torch.is_grad_enabled() and (
-            hidden_states.requires_grad or any(p.requires_grad for p in self.parameters())
-            or (state is not None and any(t.requires_grad for t in state)))
+        needs_backward = wants_grad(hidden_states, *self.parameters(), *(state or ()))
         carry = _Carry(None if state is None else check_layer_state(state, self.local_config, N),
                        mode="chunk" if hidden_states.is_cuda and needs_backward else "recurrent")
         cu_seqlens = torch.arange(N + 1, device=hidden_states.device)
