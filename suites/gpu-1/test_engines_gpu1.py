@@ -93,8 +93,6 @@ SGLANG_CHUNK_F32 = ("sglang 0.5.23's chunk_gated_delta_rule refuses float32 (ker
                     "its chunked prefill runs bf16 only")
 
 
-
-
 def dtypes(float32_refused=None):
     """bf16, and float32 unless the engine refuses it (then a skip that says why)."""
     marks = [pytest.mark.skip(reason=float32_refused)] if float32_refused else []

@@ -8,8 +8,8 @@ files are the pinned wheel's), runs its standalone repro (`python <repro>`, in a
 with the entry's timeout), keeps its output (stdout) and the seconds it took, and checks that the
 output shows the bug (`LiveBug.shows`); where an entry names a GPU run (`LiveBug.gpu_evidence`: the
 repro's on a GPU, or the test's where the demonstration needs one) the page quotes that
-docs/results.md row. Then writes the table with the date,
-the git commit and the command. Nothing in docs/live-bugs.md is typed by hand; the generator stops,
+docs/results.md row. Then writes the table with the date, the git commit and the command.
+Nothing in docs/live-bugs.md is typed by hand; the generator stops,
 writing nothing, where a repro fails, times out or no longer shows its bug, or a release is not the
 pinned one.
 """
