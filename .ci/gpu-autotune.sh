@@ -3,10 +3,11 @@
 # each (carry .whl; see ../shared/gpu/README.md). Two modes:
 #   dump   a real autotune search of the gpu-1 suite and, on two GPUs, gpu-2 (suites/bench/
 #          dump_fla_configs.py beside nothing, through .ci/gpu.sh: its install, time limit and
-#          Triton cache save); the configs land in $OUT/fla_configs/<GPU>/, the table at the end
-#          of the output. A fresh machine may need a second call: copy that folder to
-#          pytest_linattn/fla_configs/<GPU>/ and the triton-cache.txz.* parts to .triton-cache/
-#          (carried), and call dump again: it keeps those entries and searches only what is missing.
+#          Triton cache save); the configs land in $OUT/fla_configs.tgz (fla_configs/<GPU>/),
+#          the table at the end of the output. A fresh machine may need a second call (an H100's
+#          gpu-1 search took past 430 s): unpack it into pytest_linattn/fla_configs/, copy the
+#          triton-cache.txz.* parts to .triton-cache/ (carried), and call dump again: it keeps
+#          those entries and searches only what is missing.
 #   check  gpu-1 through linattn-rerun with no search (--linattn-autotune shipped, the default) on
 #          an empty Triton cache, then suites/bench/hash_bf16_layer.py; prints the tests' time,
 #          how many autotune searches ran (0 expected) and the outputs' sha256 ($OUT/hash.json).
@@ -30,6 +31,9 @@ dump)
     bash .ci/gpu.sh
   rc=$?
   ls "$OUT/fla_configs/$gpu" 2>/dev/null | wc -l | xargs echo "dump: kernel files in $OUT/fla_configs/$gpu:"
+  # The device hands back a bounded number of files from $OUT (five of sixteen came back on
+  # 2026-12-06): one archive carries them all.
+  [ -d "$OUT/fla_configs" ] && tar -czf "$OUT/fla_configs.tgz" -C "$OUT" fla_configs && rm -rf "$OUT/fla_configs"
   exit $rc ;;
 check)
   # An empty cache dir of its own: a warm machine's /tmp/triton-cache would hide compile time.

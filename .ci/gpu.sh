@@ -29,6 +29,7 @@ set -uo pipefail
 START=${LINATTN_GPU_START:-$(date +%s)}
 OUT=${OUT:-reports/gpu}
 LOGS=/tmp/linattn-logs
+rm -rf "$LOGS"  # a warm machine keeps the last call's: its summaries would print as this one's
 mkdir -p "$OUT" "$LOGS"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || exit 2
 # The project runs from the checkout; PYTEST_PLUGINS loads the plugin without an install.
@@ -63,7 +64,7 @@ GPUS=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
 # cores) ran gpu-2's CP ops test in 208.6 s and gpu-1's fla GDN reference case in 204 s; alone,
 # 48.4 s and 35.5 s; with 1 thread a process every GPU file took 179 s in one call, gpu-2's CP ops
 # 23.3 s (2026-12-06, H100, docs/results.md). OMP_NUM_THREADS given by the caller wins.
-declare -A files_of
+declare -A files_of=()  # empty when only LINATTN_GPU_WITH runs (set -u counts an unset array as unbound)
 for f in "$@"; do suite=$(basename "$(dirname "$f")"); files_of[$suite]+="$f "; done
 suites_here=${#files_of[@]}
 if [ -z "${OMP_NUM_THREADS:-}" ] && [ "$suites_here" -gt 1 ]; then
