@@ -64,6 +64,13 @@ class ScaleShape:
         return self.batch * self.tokens * max(self.v_heads * max(self.head_k_dim, self.head_v_dim),
                                               self.heads * self.head_k_dim)
 
+    def chunk_state_elements(self, chunk_size: int = 64) -> int:
+        """Elements of a chunked kernel's per-chunk states `[B, chunks, HV, K, V]` (fla's h, and dh
+        in the backward: chunk_size 64): with K = V = 128 twice the value input's at 64-token
+        chunks, so they pass 2**31 at half the tokens the inputs do."""
+        positive_int(chunk_size, "chunk_size")
+        return self.batch * -(-self.tokens // chunk_size) * self.v_heads * self.head_k_dim * self.head_v_dim
+
 
 @dataclasses.dataclass
 class ScaleResult:
@@ -91,7 +98,8 @@ class ScaleResult:
         worst = max(self.errors, key=lambda n: self.errors[n])
         return (f"{self.shape.name}: {self.shape.batch}x{self.shape.tokens:,} tokens, H {self.shape.heads}, "
                 f"HV {self.shape.v_heads}, K {self.shape.head_k_dim}, V {self.shape.head_v_dim} "
-                f"(largest offset {self.shape.largest_offset:,} = 2^{math.log2(self.shape.largest_offset):.2f}); "
+                f"(largest offset {self.shape.largest_offset:,} = 2^{math.log2(self.shape.largest_offset):.2f}, "
+                f"64-token chunk states 2^{math.log2(self.shape.chunk_state_elements()):.2f}); "
                 f"worst {worst} {self.errors[worst]:.2e}; op {self.op_seconds:.1f} s, peak "
                 f"{self.peak_bytes / 2**30:.1f} GiB; reference {self.reference_seconds:.1f} s")
 

@@ -26,6 +26,9 @@ pytestmark = pytest.mark.gpus(1)
 
 PAST_INT32 = (1 << 19) + (1 << 12)  # 528,384 tokens: with 32 heads of 128, 2**31 + 2**24 elements
 PAST_64K = (1 << 17) + (1 << 12)  # 135,168 tokens: past fla #906's 65,536
+# 264,192 tokens: the inputs at 2**30, fla's per-chunk states h and dh ([T/64, 32, 128, 128]) at
+# 2**31 + 2**24 elements: the backward past 2**31 in the tensors it indexes most, on an 80 GB card
+STATES_PAST_INT32 = (1 << 18) + (1 << 11)
 QWEN35_4B = dict(heads=16, v_heads=32)  # Qwen3.5-4B's linear attention: 16 key heads, 32 value heads of 128
 KIMI = dict(heads=32, v_heads=32, per_channel_decay=True)  # Kimi Linear's KDA: 32 heads of 128
 # The op's peak memory forward and backward per element of its largest input, measured at 135,168
@@ -33,12 +36,14 @@ KIMI = dict(heads=32, v_heads=32, per_channel_decay=True)  # Kimi Linear's KDA: 
 # grows with the tokens, so past 2**31 elements the backward wants about 141.5 and 137.6 GiB.
 BACKWARD_BYTES_PER_ELEMENT = {"gated_delta_rule": 70.2, "chunk_kda": 68.3}
 CASES = [
-    # (op, shape, backward): fla #1080's 524,288 tokens forward; forward and backward past 65,536 tokens;
-    # forward and backward past 2**31 where the card holds it (an H200)
+    # (op, shape, backward): fla #1080's 524,288 tokens forward; forward and backward past 65,536 tokens,
+    # with the chunk states past 2**31, and with the inputs past 2**31 where the card holds it
     ("chunk_gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_INT32, **QWEN35_4B), False),
     ("chunk_kda", ScaleShape("kimi-linear", PAST_INT32, **KIMI), False),
     ("gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_64K, **QWEN35_4B), True),
     ("chunk_kda", ScaleShape("kimi-linear", PAST_64K, **KIMI), True),
+    ("gated_delta_rule", ScaleShape("qwen3.5-4b", STATES_PAST_INT32, **QWEN35_4B), True),
+    ("chunk_kda", ScaleShape("kimi-linear", STATES_PAST_INT32, **KIMI), True),
     ("gated_delta_rule", ScaleShape("qwen3.5-4b", PAST_INT32, **QWEN35_4B), True),
     ("chunk_kda", ScaleShape("kimi-linear", PAST_INT32, **KIMI), True),
 ]

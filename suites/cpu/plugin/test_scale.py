@@ -59,3 +59,15 @@ def test_shape_errors_name_the_field():
         ScaleShape("bad", 10, heads=3, v_heads=4)
     with pytest.raises(ValueError, match="ScaleShape.tokens"):
         ScaleShape("bad", 0, heads=1, v_heads=1)
+
+
+def test_element_counts_past_int32():
+    """The scale suite's shapes: fla #1080's tokens put the value input past 2**31; half of them
+    puts fla's 64-token chunk states (h, dh) past it while the inputs stay at 2**30."""
+    past_inputs = ScaleShape("qwen3.5-4b", (1 << 19) + (1 << 12), heads=16, v_heads=32)
+    past_states = ScaleShape("qwen3.5-4b", (1 << 18) + (1 << 11), heads=16, v_heads=32)
+    assert past_inputs.largest_offset == past_states.chunk_state_elements() == 2**31 + 2**24
+    assert past_states.largest_offset == 2**30 + 2**23
+    assert ScaleShape("ragged", 65, heads=1, v_heads=1, head_k_dim=2, head_v_dim=3).chunk_state_elements() == 2 * 6
+    with pytest.raises(ValueError, match="chunk_size"):
+        past_states.chunk_state_elements(0)
