@@ -365,6 +365,7 @@ BUGS = (
         located=PS.located(CS.DELTA_RULE_SHAPE["name"], CS.DELTA_RULE_SHAPE["v_heads"], CS.DELTA_RULE_SHAPE["head_v_dim"]),
         fidelity="moved", fidelity_note=("the wrapped offsets lived in fla's Triton chunk kernels (fixed before fla "
             "0.6.0: its chunk_gated_delta_rule and chunk_kda forwards at 528,384 tokens, 2**31 + 2**24 elements, "
+            "and both ops forward and backward at 264,192 tokens, their chunk states h and dh at 2**31 + 2**24, "
             "passed against float64 in pieces on an H100, 2026-12-06, suites/scale); planted in the test tree "
             "(suites/bug_record/plants_scale.py) as linattn's GDN op reading v through offsets kept modulo 2**17, "
             "so the at-scale check catches it on 3,000 tokens on a CPU, located at the first wrapped token")),

@@ -32,8 +32,9 @@ STATES_PAST_INT32 = (1 << 18) + (1 << 11)
 QWEN35_4B = dict(heads=16, v_heads=32)  # Qwen3.5-4B's linear attention: 16 key heads, 32 value heads of 128
 KIMI = dict(heads=32, v_heads=32, per_channel_decay=True)  # Kimi Linear's KDA: 32 heads of 128
 # The op's peak memory forward and backward per element of its largest input, measured at 135,168
-# tokens on an H100 (2026-12-06, docs/results.md: 36.2 and 35.2 GiB over 553,648,128 elements); it
-# grows with the tokens, so past 2**31 elements the backward wants about 141.5 and 137.6 GiB.
+# tokens on an H100 (2026-12-06, docs/results.md: 36.2 and 35.2 GiB over 553,648,128 elements; at
+# 264,192 tokens 70.8 and 68.8 GiB, as predicted), so with the inputs past 2**31 the backward wants
+# about 141.5 and 137.6 GiB.
 BACKWARD_BYTES_PER_ELEMENT = {"gated_delta_rule": 70.2, "chunk_kda": 68.3}
 CASES = [
     # (op, shape, backward): fla #1080's 524,288 tokens forward; forward and backward past 65,536 tokens,
